@@ -1,0 +1,1 @@
+"""The engine: memory pool, weight store, workers, scheduler, runners, sampling."""

@@ -1,0 +1,30 @@
+"""Engine errors. "No room" is never an error here: the scheduler handles it."""
+
+
+class EngineError(Exception):
+    """Something in the engine is broken (not the caller's fault)."""
+
+
+class RequestError(ValueError):
+    """A request the engine refuses before doing any work; names the field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class ModelLoadError(EngineError):
+    """A model folder is missing, corrupt, or cannot serve the asked task."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+        self.path = path
+
+
+class RequestAborted(Exception):
+    """The request was aborted (client gone, timeout, cancel) before it finished."""
+
+
+class EngineStopped(EngineError):
+    """The engine loop is not running (never started, or shut down)."""

@@ -1,0 +1,113 @@
+"""One engine thread steps every worker (LLMs and encoders) in turn.
+
+Policy: among workers with runnable work, step the one whose most urgent item is
+(1) overdue — waited past its worker's queue-delay budget, then (2) deepest in its
+request's DAG, then (3) oldest. Encoders gather a batch until it is full or their
+delay budget runs out, so a busy LLM delays an encoder batch by at most one step
+past that budget. torch releases the GIL inside kernels, so asyncio keeps serving
+HTTP while this thread computes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from trae_groups.engine.worker import Worker
+
+log = logging.getLogger("trae_groups.engine")
+
+
+class EngineLoop:
+    def __init__(self, name: str = "trae-engine"):
+        self._workers: dict[str, Worker] = {}
+        self._wake = threading.Condition()
+        self._pending_wake = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._name = name
+        self.steps = 0
+        self.last_error: BaseException | None = None
+
+    # -- workers -------------------------------------------------------------
+    def add_worker(self, worker: Worker) -> None:
+        with self._wake:
+            if worker.name in self._workers:
+                raise ValueError(f"a worker named {worker.name!r} is already on this engine")
+            self._workers[worker.name] = worker
+        self.wake()
+
+    def remove_worker(self, name: str) -> Worker:
+        with self._wake:
+            return self._workers.pop(name)
+
+    @property
+    def workers(self) -> dict[str, Worker]:
+        return dict(self._workers)
+
+    # -- life cycle ----------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        for worker in list(self._workers.values()):
+            worker.close()
+
+    def wake(self) -> None:
+        """Called by submitters (any thread) after queueing work."""
+        with self._wake:
+            self._pending_wake = True
+            self._wake.notify_all()
+
+    # -- the loop ------------------------------------------------------------
+    def pick(self, now: float) -> Worker | None:
+        best, best_key = None, None
+        for worker in list(self._workers.values()):
+            key = worker.urgency(now)
+            if key is not None and (best_key is None or key > best_key):
+                best, best_key = worker, key
+        return best
+
+    def _sleep_time(self, now: float) -> float | None:
+        times = [t for w in list(self._workers.values()) if (t := w.next_wakeup(now)) is not None]
+        return max(0.0, min(times) - now) if times else None
+
+    def run_once(self) -> bool:
+        """Step the most urgent worker; False when none had runnable work."""
+        worker = self.pick(time.monotonic())
+        if worker is None:
+            return False
+        worker.step()
+        self.steps += 1
+        return True
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                if self.run_once():
+                    continue
+            except BaseException as exc:  # a worker bug: log it, keep serving others
+                self.last_error = exc
+                log.exception("engine step failed")
+                continue
+            with self._wake:
+                if self._stop:
+                    break
+                if not self._pending_wake:
+                    self._wake.wait(self._sleep_time(time.monotonic()))
+                self._pending_wake = False

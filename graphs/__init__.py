@@ -1,0 +1,1 @@
+"""Graph specs (YAML and DSL), compile-time validation and the executor."""
