@@ -1,0 +1,250 @@
+"""LLMEngine: one loop thread, one memory pool, any number of models.
+
+Batch use: ``engine.generate(prompts, params)``. Serving: ``engine.add_request(...)``
+from asyncio code returns an async stream of outputs; leaving the stream early
+aborts the request and frees its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from trae_groups.engine.config import EngineConfig
+from trae_groups.engine.errors import EngineStopped, ModelLoadError, RequestError
+from trae_groups.engine.llm_runner import ATTN_NAME, kv_layout
+from trae_groups.engine.llm_worker import LLMWorker
+from trae_groups.engine.loop import EngineLoop
+from trae_groups.engine.memory_pool import MemoryPool
+from trae_groups.engine.sampling import SamplingParams
+from trae_groups.engine.sequence import RequestOutput
+from trae_groups.engine.worker import Priority, Worker
+from trae_groups.kernels import select_backend
+
+log = logging.getLogger("trae_groups.engine")
+
+_ids = itertools.count()
+
+
+def _named(models: Mapping[str, str | Path] | Sequence[str | Path]) -> dict[str, str]:
+    if isinstance(models, Mapping):
+        return {name: str(path) for name, path in models.items()}
+    return {Path(p).name or str(p): str(p) for p in models}
+
+
+def read_config(path: str):
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(path, "no config.json: not a transformers model folder")
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except Exception as exc:
+        raise ModelLoadError(path, f"config.json cannot be read: {exc}") from exc
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, device: str):
+    """The model class transformers picks for the folder, with our paged attention."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTN_NAME, dtype=dtype)
+    except Exception as exc:
+        raise ModelLoadError(path, f"cannot load as a causal LM: {exc}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception:
+        tokenizer = None  # token ids in, token ids out
+    return model.to(device).eval(), tokenizer
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        models: Mapping[str, str | Path] | Sequence[str | Path] = (),
+        config: EngineConfig | None = None,
+    ):
+        self.config = config or EngineConfig()
+        if self.config.num_threads:
+            torch.set_num_threads(self.config.num_threads)
+        self.loop = EngineLoop()
+        self.backend = select_backend(self.config.device, self.config.attention_backend)
+        named = _named(models)
+        layouts = [kv_layout(read_config(p), self.config.torch_dtype) for p in named.values()]
+        self.pool = self._make_pool(layouts)
+        self.llms: dict[str, LLMWorker] = {}
+        self._request_owner: dict[str, Worker] = {}
+        self._lock = threading.Lock()
+        for name, path in named.items():
+            self.add_llm(name, path)
+        log.info(
+            "engine: %d pages of %d bytes on %s, attention backend %s",
+            self.pool.num_pages, self.pool.page_bytes, self.config.device, self.backend.name,
+        )
+
+    def _make_pool(self, layouts) -> MemoryPool:
+        page_bytes = self.config.page_bytes
+        if page_bytes is None:
+            biggest = max((lay.bytes_per_token for lay in layouts), default=4096)
+            page_bytes = -(-biggest * self.config.tokens_per_page // 64) * 64
+        return MemoryPool.from_size(self.config.pool_size(), page_bytes, self.config.device)
+
+    # -- models --------------------------------------------------------------------
+    def add_llm(self, name: str, path: str | Path, model=None, tokenizer=None, cache_key=None) -> LLMWorker:
+        """Load a causal LM (or take one already loaded with our attention) onto the engine."""
+        if model is None:
+            model, tokenizer = load_causal_lm(str(path), self.config.torch_dtype, self.config.device)
+        if self.config.fast_linear and self.config.device == "cpu":
+            from trae_groups.engine.fast_linear import fast_linear_available, pack_linears
+
+            if fast_linear_available():
+                pack_linears(model)
+        worker = LLMWorker(
+            name, model, tokenizer, self.pool, self.config, self.backend, self.loop.wake,
+            cache_key=cache_key or (name, str(path)),
+        )
+        self.llms[name] = worker
+        self.loop.add_worker(worker)
+        return worker
+
+    def add_worker(self, worker: Worker) -> None:
+        """Any other worker (encoders) steps on the same loop."""
+        self.loop.add_worker(worker)
+
+    def llm(self, model: str | None) -> LLMWorker:
+        if model is None:
+            if len(self.llms) != 1:
+                raise RequestError("model", f"name one of {sorted(self.llms)}")
+            return next(iter(self.llms.values()))
+        if model not in self.llms:
+            raise RequestError("model", f"unknown model {model!r}; known: {sorted(self.llms)}")
+        return self.llms[model]
+
+    # -- life cycle ------------------------------------------------------------------
+    def start(self) -> LLMEngine:
+        self.loop.start()
+        return self
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+
+    def __enter__(self) -> LLMEngine:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- requests --------------------------------------------------------------------
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        sink,
+        request_id: str | None = None,
+        model: str | None = None,
+        priority: Priority | None = None,
+    ) -> str:
+        """Queue one request; ``sink(output)`` is called on the engine thread."""
+        if not self.loop.running:
+            raise EngineStopped("the engine is not running; call start()")
+        worker = self.llm(model)
+        request_id = request_id or f"req-{next(_ids)}"
+        worker.submit(prompt, params or SamplingParams(), request_id=request_id, sink=sink, priority=priority)
+        return request_id
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        model: str | None = None,
+        priority: Priority | None = None,
+    ) -> OutputStream:
+        """From a running asyncio loop: validate and queue now, stream outputs later."""
+        stream = OutputStream(self, asyncio.get_running_loop())
+        stream.request_id = self.submit(
+            prompt, params, sink=stream.put, request_id=request_id, model=model, priority=priority
+        )
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        for worker in self.loop.workers.values():
+            worker.abort(request_id)
+
+    def generate(
+        self,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        model: str | None = None,
+    ) -> list[RequestOutput]:
+        """Blocking batch generation; starts the loop if needed."""
+        if not isinstance(params, Sequence):
+            params = [params or SamplingParams()] * len(prompts)
+        self.start()
+        results: dict[int, RequestOutput] = {}
+        done = threading.Event()
+
+        def sink_for(index: int):
+            def sink(out: RequestOutput) -> None:
+                if out.finished:
+                    results[index] = out
+                    if len(results) == len(prompts):
+                        done.set()
+            return sink
+
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            self.submit(prompt, p, sink=sink_for(i), model=model)
+        if prompts:
+            done.wait()
+        return [results[i] for i in range(len(prompts))]
+
+    def stats(self) -> dict:
+        return {
+            "pool": self.pool.stats(),
+            "workers": {name: w.stats() for name, w in self.loop.workers.items()},
+            "attention_backend": self.backend.name,
+        }
+
+
+class OutputStream:
+    """Async iterator over one request's outputs; closing it early aborts the request."""
+
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.request_id = ""
+        self.finished = False
+
+    def put(self, out: RequestOutput) -> None:  # engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                out = await self._queue.get()
+                self.finished = out.finished
+                yield out
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+    async def final(self) -> RequestOutput:
+        """Consume the stream; the last output."""
+        last = None
+        async for out in self:
+            last = out
+        return last

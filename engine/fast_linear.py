@@ -1,0 +1,137 @@
+"""oneDNN pre-packed linears: the fastest matmul path this CPU offers.
+
+torch's ``nn.Linear`` goes through MKL, which on these AMD cores reaches well under half of what
+oneDNN gets from a weight reordered once into its blocked layout (the path torch.compile's
+freezing uses). Decode-shaped matmuls run ~2-4x faster packed (see bench/linear.py), with logits
+within float rounding of the plain path. Packing is for inference only: the packed weight is an
+opaque mkldnn tensor (no ``state_dict``, no ``.to()``, no autograd), so pack after loading and keep
+an unpacked instance where a reference path is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = [
+    "DEFAULT_BATCH_HINT",
+    "PackedLinear",
+    "fast_linear_available",
+    "pack_linears",
+    "packable_dtypes",
+]
+
+# The reorder takes an optional batch-size hint that picks the blocked layout. The packed weight
+# works for any number of rows; the hint only changes speed. Measured on decode shapes
+# (bench/linear.py --hints): hint 1 (a GEMV layout) is 1.2-2x slower for every T > 1, no hint is
+# fine for T <= 64 but ~1.8x slower on the 512x32000 lm_head at T = 512, and hints 8..512 are
+# within noise of each other everywhere from T = 1 to 512. 32 (a full decode batch) sits there.
+DEFAULT_BATCH_HINT = 32
+
+
+def fast_linear_available() -> bool:
+    """Whether torch was built with oneDNN and can run it here (a CPU build is enough)."""
+    return bool(torch.backends.mkldnn.is_available())
+
+
+def packable_dtypes() -> frozenset[torch.dtype]:
+    """Weight dtypes oneDNN can pack on this CPU; others stay plain ``nn.Linear``.
+
+    float32 always; bfloat16 needs avx512_bf16/AMX, float16 needs avx512_fp16 or avx_ne_convert.
+    """
+    if not fast_linear_available():
+        return frozenset()
+    dtypes = {torch.float32}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        dtypes.add(torch.bfloat16)
+    if torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        dtypes.add(torch.float16)
+    return frozenset(dtypes)
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W.T + b`` on a weight reordered once for oneDNN.
+
+    Accepts any leading shape (``[T, in]``, ``[1, T, in]``, ``[B, T, in]``) and any row count:
+    the engine flattens a varying batch of sequences into one row dimension.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        batch_hint: int | None = DEFAULT_BATCH_HINT,
+    ) -> None:
+        super().__init__()
+        if weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError("PackedLinear needs a 2-D CPU weight")
+        if weight.dtype not in packable_dtypes():
+            raise TypeError(f"oneDNN cannot pack {weight.dtype} weights on this CPU")
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.batch_hint = batch_hint
+        # A plain attribute, not a buffer: an mkldnn tensor breaks state_dict, .to() and hooks
+        # that iterate buffers. The original weight is not kept, so packing costs no extra memory
+        # unless someone else (a tied embedding) still holds it.
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().contiguous(), batch_hint
+        )
+        # The bias stays a dense tensor (the op takes it as is); a buffer so .to()/state_dict see it.
+        self.register_buffer(
+            "bias", None if bias is None else bias.detach().to(weight.dtype).contiguous()
+        )
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, batch_hint: int | None = DEFAULT_BATCH_HINT
+    ) -> PackedLinear:
+        """Pack an existing ``nn.Linear`` (its weight is read, not modified)."""
+        return cls(linear.weight, linear.bias, batch_hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            raise TypeError(f"PackedLinear holds {self.dtype} weights but got {x.dtype} input")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, dtype={self.dtype}, batch_hint={self.batch_hint}"
+        )
+
+
+def _packable(module: nn.Module, dtypes: frozenset[torch.dtype]) -> bool:
+    # Exact type only: subclasses (LoRA, quantised, parallel linears) override forward and must
+    # keep it. Meta or non-CPU weights (not loaded, or on an accelerator) are left alone.
+    return (
+        type(module) is nn.Linear
+        and module.weight.device.type == "cpu"
+        and module.weight.dtype in dtypes
+    )
+
+
+def pack_linears(model: nn.Module, batch_hint: int | None = DEFAULT_BATCH_HINT) -> int:
+    """Replace every plain ``nn.Linear`` in ``model`` with a ``PackedLinear``; return how many.
+
+    Covers the lm_head. A tied lm_head gets its own packed copy while the input embedding keeps
+    the original tensor, so embedding lookups are unaffected (the tie is broken: packing is the
+    last step before inference). A Linear shared by several parents is packed once. Call
+    ``torch.set_num_threads`` before this (oneDNN and MKL share one pool). Returns 0 where oneDNN
+    is unavailable, leaving the model as it was.
+    """
+    dtypes = packable_dtypes()
+    if not dtypes:
+        return 0
+    packed: dict[int, PackedLinear] = {}
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        # _modules, not named_children(): the latter hides a module's second registration.
+        for name, child in parent._modules.items()
+        if child is not None and _packable(child, dtypes)
+    ]
+    for parent, name, child in targets:
+        if id(child) not in packed:
+            packed[id(child)] = PackedLinear.from_linear(child, batch_hint)
+        setattr(parent, name, packed[id(child)])
+    return len(packed)

@@ -1,0 +1,296 @@
+"""One causal LM on the engine: its scheduler, runner and sampler.
+
+``step()`` reads top to bottom: take new requests and aborts, schedule, run the
+model, sample, then update every sequence and send its output.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+
+import torch
+
+from trae_groups.engine.config import EngineConfig
+from trae_groups.engine.detokenizer import find_stop, update_text
+from trae_groups.engine.errors import EngineStopped, RequestError
+from trae_groups.engine.llm_runner import LLMRunner, kv_layout
+from trae_groups.engine.memory_pool import MemoryPool
+from trae_groups.engine.sampling import Sampler, SamplingParams
+from trae_groups.engine.scheduler import Scheduler, SchedulerOutput
+from trae_groups.engine.sequence import RequestOutput, Sequence
+from trae_groups.engine.worker import Priority, Urgency, Worker
+from trae_groups.kernels import AttentionBackend
+
+log = logging.getLogger("trae_groups.engine")
+
+_STALL_POLL_S = 0.005  # waiting for pages another model holds
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+class LLMWorker(Worker):
+    def __init__(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        tokenizer,
+        pool: MemoryPool,
+        config: EngineConfig,
+        backend: AttentionBackend,
+        wake: Callable[[], None],
+        cache_key: Hashable | None = None,
+    ):
+        self.name = name
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.wake = wake
+        self.layout = kv_layout(model.config, config.torch_dtype)
+        self.kv = pool.kv_view(self.layout, config.tokens_per_page if config.page_bytes is None else None)
+        self.runner = LLMRunner(model, self.kv, backend)
+        text_config = model.config.get_text_config()
+        model_len = getattr(text_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.scheduler = Scheduler(
+            pool,
+            owner=name,
+            tokens_per_page=self.kv.tokens_per_page,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            cache_key=(cache_key or name) if config.enable_prefix_cache else None,
+        )
+        self.sampler = Sampler()
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self._lock = threading.Lock()
+        self._inbox: deque[Sequence] = deque()
+        self._aborts: set[str] = set()
+        self._live: dict[str, Sequence] = {}
+        self._stalled_until = 0.0
+        # counters (metrics read them; derived rates live in the metrics layer)
+        self.num_steps = 0
+        self.num_generated = 0
+        self.num_prompt_tokens = 0
+        self.batch_tokens: deque[int] = deque(maxlen=4096)
+        self.ttft: deque[float] = deque(maxlen=4096)
+        self.itl: deque[float] = deque(maxlen=4096)
+
+    # -- submitting (any thread) ------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt", f"model {self.name!r} has no tokenizer; send token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+        return list(prompt)
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        sink: Callable[[RequestOutput], None],
+        priority: Priority | None = None,
+    ) -> None:
+        """Validate, then queue. Raises RequestError before any work is done."""
+        tokens = self.encode(prompt)
+        if not tokens:
+            raise RequestError("prompt", "is empty")
+        vocab = self.model.config.get_text_config().vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+            raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        if len(tokens) >= self.max_model_len:
+            raise RequestError(
+                "prompt",
+                f"has {len(tokens)} tokens; model {self.name!r} takes at most "
+                f"{self.max_model_len - 1} so that one can be generated",
+            )
+        pages = self.scheduler.pages_needed(len(tokens) + 1)
+        if pages > self.pool.num_pages:
+            raise RequestError("prompt", f"needs {pages} pages; the pool has {self.pool.num_pages}")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop", f"model {self.name!r} has no tokenizer to match stop strings")
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        seq = Sequence(request_id, tokens, params, sink, priority or Priority(), generator=generator)
+        with self._lock:
+            if request_id in self._live:
+                raise RequestError("request_id", f"{request_id!r} is already running")
+            self._live[request_id] = seq
+            self._inbox.append(seq)
+        self.wake()
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            if request_id not in self._live:
+                return
+            self._aborts.add(request_id)
+        self.wake()
+
+    # -- the loop's questions ------------------------------------------------------
+    def urgency(self, now: float) -> Urgency | None:
+        with self._lock:
+            pending = list(self._inbox) + ([None] if self._aborts else [])
+        if not pending and not self.scheduler.has_work():
+            return None
+        if not pending and now < self._stalled_until:
+            return None
+        seqs = [s for s in pending if s is not None] + self.scheduler.running + self.scheduler.waiting[:1]
+        if not seqs:
+            return Urgency(False, 0, -now)
+        best = max(seqs, key=lambda s: (s.priority.depth, -s.priority.arrival))
+        return Urgency(False, best.priority.depth, -best.priority.arrival)
+
+    def next_wakeup(self, now: float) -> float | None:
+        return self._stalled_until if self._stalled_until > now else None
+
+    # -- one step --------------------------------------------------------------------
+    def step(self) -> None:
+        self._take_new_and_aborts()
+        sched = self.scheduler.schedule()
+        if not sched:
+            if self.scheduler.waiting:  # pages are held elsewhere; look again soon
+                self._stalled_until = time.monotonic() + _STALL_POLL_S
+            return
+        self._stalled_until = 0.0
+        try:
+            inputs = self.runner.prepare(sched)
+            logits = self.runner.run(inputs)
+            sampling = [item.seq for item in sched.scheduled if item.samples]
+            result = self.sampler(
+                logits,
+                [s.params for s in sampling],
+                [s.token_ids for s in sampling],
+                [s.generator for s in sampling],
+            )
+        except Exception as exc:  # a model failure fails this batch, not the engine
+            log.exception("model %s failed a step", self.name)
+            for item in sched.scheduled:
+                self._fail(item.seq, f"{type(exc).__name__}: {exc}")
+            return
+        self.num_steps += 1
+        self.batch_tokens.append(sched.num_tokens)
+        self._postprocess(sched, sampling, result)
+
+    def _take_new_and_aborts(self) -> None:
+        with self._lock:
+            new, self._inbox = list(self._inbox), deque()
+            aborts, self._aborts = self._aborts, set()
+        for seq in new:
+            self.scheduler.add(seq)
+        for request_id in aborts:
+            seq = self._live.get(request_id)
+            if seq is not None and not seq.finished:
+                self.scheduler.finish(seq, "abort")
+                self._emit(seq)
+
+    def _postprocess(self, sched: SchedulerOutput, sampling: list[Sequence], result) -> None:
+        now = time.monotonic()
+        for item in sched.scheduled:
+            item.seq.num_computed += item.num_new
+            self.scheduler.publish_full_pages(item.seq)
+        for row, seq in enumerate(sampling):
+            token = result.token_ids[row]
+            seq.output_token_ids.append(token)
+            if result.logprobs is not None:
+                seq.logprobs.append(result.logprobs[row])
+                seq.top_logprobs.append(result.top_logprobs[row])
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                self.ttft.append(now - seq.arrival)
+                self.num_prompt_tokens += len(seq.prompt_token_ids)
+            else:
+                self.itl.append(now - seq.last_token_time)
+            seq.last_token_time = now
+            self.num_generated += 1
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            self._emit(seq)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+            return "stop"  # the stop token's own text is not part of the reply
+        if self.tokenizer is not None:
+            searched = len(seq.text)
+            update_text(seq, self.tokenizer, params.skip_special_tokens)
+            cut = find_stop(seq.text, params.stop, searched)
+            if cut is not None:
+                seq.text = seq.text[:cut]
+                return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # -- outputs ---------------------------------------------------------------------------
+    def _emit(self, seq: Sequence, error: str | None = None) -> None:
+        text_ready = len(seq.text)
+        if not seq.finished and seq.params.stop:  # hold back what may become a stop string
+            text_ready -= max(len(s) for s in seq.params.stop) - 1
+        text_ready = max(text_ready, seq.sent_text_len)
+        out = RequestOutput(
+            request_id=seq.request_id,
+            model=self.name,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=seq.text if seq.finished else seq.text[:text_ready],
+            delta_text=seq.text[seq.sent_text_len : len(seq.text) if seq.finished else text_ready],
+            delta_token_ids=seq.output_token_ids[seq.sent_tokens :],
+            finished=seq.finished,
+            finish_reason=seq.stop_reason if seq.finished else None,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            top_logprobs=list(seq.top_logprobs) if seq.params.logprobs is not None else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            error=error,
+            metrics={"preemptions": seq.preemptions, "arrival": seq.arrival,
+                     "first_token_time": seq.first_token_time},
+        )
+        seq.sent_text_len = len(seq.text) if seq.finished else text_ready
+        seq.sent_tokens = len(seq.output_token_ids)
+        if seq.finished:
+            with self._lock:
+                self._live.pop(seq.request_id, None)
+        try:
+            seq.sink(out)
+        except Exception:  # a caller's callback must not take the engine down
+            log.exception("output sink of %s failed", seq.request_id)
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        self.scheduler.finish(seq, "error")
+        self._emit(seq, error=message)
+
+    def close(self) -> None:
+        self._take_new_and_aborts()
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._fail(seq, str(EngineStopped("the engine stopped")))
+
+    # -- accounting ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        sched = self.scheduler
+        slots = sum(len(s.pages) for s in sched.running) * self.kv.tokens_per_page
+        used = sum(s.num_computed for s in sched.running)
+        return {
+            "kind": "llm",
+            "running": len(sched.running),
+            "waiting": len(sched.waiting) + len(self._inbox),
+            "steps": self.num_steps,
+            "generated_tokens": self.num_generated,
+            "prompt_tokens": self.num_prompt_tokens,
+            "preemptions": sched.num_preemptions,
+            "tokens_per_page": self.kv.tokens_per_page,
+            "kv_slots_allocated": slots,
+            "kv_slots_used": used,
+            "fragmentation": (1 - used / slots) if slots else 0.0,
+        }

@@ -1,0 +1,197 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Every step: running sequences first (oldest admission first, so decodes never stall
+behind a long prompt), then waiting ones by priority (deeper in their DAG, then older)
+while the token budget and ``max_num_seqs`` allow. Long prompts are split across
+steps (chunked prefill). Out of pages, the most recently admitted sequence is
+preempted: its pages go back (full ones stay in the prefix cache) and it is recomputed
+later from its tokens, so its output does not change.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from trae_groups.engine.memory_pool import MemoryPool
+from trae_groups.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens whose KV this step computes
+    samples: bool  # the step reaches the sequence's last token: sample the next one
+
+
+@dataclass
+class SchedulerOutput:
+    """Decodes (one token each) first, then prefill chunks: the kernel's order."""
+
+    decodes: list[ScheduledSeq] = field(default_factory=list)
+    prefills: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: MemoryPool,
+        owner: str,
+        tokens_per_page: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        cache_key: Hashable | None,
+    ):
+        self.pool = pool
+        self.owner = owner
+        self.page = tokens_per_page
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.cache_key = cache_key  # None disables the prefix cache
+        self.waiting: list[Sequence] = []  # sorted by _rank
+        self.running: list[Sequence] = []  # admission order
+        self._admissions = 0
+        self.num_preemptions = 0
+
+    # -- queues ----------------------------------------------------------------
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple:
+        return (-seq.priority.depth, seq.priority.arrival, seq.arrival)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=self._rank)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page)
+
+    # -- the step --------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_uncomputed, budget)
+            if not self._reserve_or_preempt(seq, num_new, out):
+                continue
+            self._add_to(out, seq, num_new)
+            budget -= num_new
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if out.preempted:  # memory is tight: let the running ones finish first
+                break
+            seq = self.waiting[0]
+            if seq.num_computed == 0:
+                self._match_prefix(seq)
+            num_new = min(seq.num_uncomputed, budget)
+            if not self._reserve(seq, seq.num_computed + num_new):
+                self._release(seq)  # don't sit on prefix pages while waiting
+                break
+            self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self._admissions += 1
+            seq.admitted_seq = self._admissions
+            self.running.append(seq)
+            self._add_to(out, seq, num_new)
+            budget -= num_new
+        return out
+
+    def _add_to(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        item = ScheduledSeq(seq, num_new, seq.num_computed + num_new == seq.num_tokens)
+        (out.decodes if num_new == 1 else out.prefills).append(item)
+
+    def _reserve_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        while not self._reserve(seq, seq.num_computed + num_new):
+            victim = self.running[-1]  # newest admission; not yet scheduled this step
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        need = self.pages_needed(num_tokens) - len(seq.pages)
+        if need <= 0:
+            return True
+        pages = self.pool.allocate(self.owner, need)
+        if pages is None:
+            return False
+        seq.pages.extend(pages)
+        return True
+
+    # -- prefix cache ----------------------------------------------------------
+    def _block_key(self, seq: Sequence, index: int) -> Hashable:
+        """Key of full block ``index``: the model plus a hash chain over its tokens."""
+        while len(seq.block_hashes) <= index:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[i - 1] if i else 0
+            block = tuple(seq.token_ids[i * self.page : (i + 1) * self.page])
+            seq.block_hashes.append(hash((parent, block)))
+        parent = seq.block_hashes[index - 1] if index else 0
+        block = tuple(seq.token_ids[index * self.page : (index + 1) * self.page])
+        return (self.cache_key, parent, block)
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        if self.cache_key is None:
+            return
+        # at least the last token must be computed, to have logits to sample from
+        full_blocks = (seq.num_tokens - 1) // self.page
+        for index in range(full_blocks):
+            page = self.pool.lookup(self._block_key(seq, index))
+            if page is None:
+                break
+            seq.pages.append(page)
+            seq.num_computed += self.page
+        seq.num_published = len(seq.pages)
+        if seq.preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed
+
+    def publish_full_pages(self, seq: Sequence) -> None:
+        if self.cache_key is None:
+            return
+        full = seq.num_computed // self.page
+        for index in range(seq.num_published, full):
+            self.pool.publish(seq.pages[index], self._block_key(seq, index))
+        seq.num_published = max(seq.num_published, full)
+
+    # -- leaving -----------------------------------------------------------------
+    def _release(self, seq: Sequence) -> None:
+        self.pool.release(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.num_published = 0
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finished or aborted: free its pages wherever it is."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = Status.FINISHED
+        seq.stop_reason = seq.stop_reason or reason

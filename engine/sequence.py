@@ -1,0 +1,89 @@
+"""One generation request as the scheduler sees it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from trae_groups.engine.sampling import SamplingParams
+from trae_groups.engine.worker import Priority
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """A snapshot sent to the caller after each step that produced tokens."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[float] | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)  # identity: a request is itself, not its field values
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[RequestOutput], None]
+    priority: Priority = field(default_factory=Priority)
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in pages
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    num_published: int = 0  # full pages already offered to the prefix cache
+    block_hashes: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    text: str = ""
+    sent_text_len: int = 0
+    sent_tokens: int = 0
+    stop_reason: str | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    admitted_seq: int = 0  # admission order, for preempting the newest first
+    preemptions: int = 0
+    detok_prefix: int = 0
+    detok_read: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_uncomputed == 1 and bool(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,166 @@
+"""Paged attention, torch reference: runs anywhere and is the oracle for other backends.
+
+A step's batch is flattened into one row dimension: first ``num_decodes`` sequences of
+one new token each, then prefill chunks (possibly continuing over cached context).
+K/V of every sequence live in pages; ``block_tables[s]`` lists sequence s's pages in
+order, so token position p sits in page ``block_tables[s, p // page]`` at ``p % page``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PagedBatch:
+    """Everything a kernel needs about one step's batch (built once per step).
+
+    slot_mapping: [T] flat slot (page * tokens_per_page + offset) of each new token.
+    query_starts: S+1 offsets of each sequence's rows in the flattened batch.
+    context_lens: S total KV lengths (cached + new) after this step.
+    block_tables: [S, max_pages] page ids, padded with 0.
+    """
+
+    slot_mapping: torch.Tensor
+    query_starts: list[int]
+    context_lens: list[int]
+    block_tables: torch.Tensor
+    num_decodes: int
+    tokens_per_page: int
+    context_lens_t: torch.Tensor | None = None
+    _masks: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[num_decodes, 1, 1, L] True where a decode token may attend (cached per step)."""
+        key = ("decode", window)
+        if key not in self._masks:
+            nd = self.num_decodes
+            lens = self.context_lens_t[:nd]
+            width = self.block_tables.shape[1] * self.tokens_per_page
+            pos = torch.arange(width, device=lens.device)
+            mask = pos[None, :] < lens[:, None]
+            if window is not None:
+                mask &= pos[None, :] >= (lens[:, None] - window)
+            self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """key/value [T, kv_heads, dim] into caches [pages, tokens_per_page, kv_heads, dim]."""
+    page_size = k_cache.shape[1]
+    pages = torch.div(slot_mapping, page_size, rounding_mode="floor")
+    offsets = slot_mapping - pages * page_size
+    k_cache[pages, offsets] = key
+    v_cache[pages, offsets] = value
+
+
+def gather_kv(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """[n_pages] page ids → [n_pages * tokens_per_page, kv_heads, dim], whole pages at once."""
+    return cache.index_select(0, pages).flatten(0, 1)
+
+
+def _prefill_mask(n_q: int, n_k: int, window: int | None, device) -> torch.Tensor | None:
+    """Causal mask aligned bottom-right (queries are the last n_q of n_k positions)."""
+    if n_q == n_k and window is None:
+        return None
+    q_pos = torch.arange(n_k - n_q, n_k, device=device)[:, None]
+    k_pos = torch.arange(n_k, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """query [T, heads, dim]; key/value [T, kv_heads, dim] (new tokens, already stored).
+
+    Returns [T, heads, dim]. GQA/MQA through SDPA's ``enable_gqa``.
+    """
+    out = torch.empty_like(query)
+    nd = batch.num_decodes
+    gqa = query.shape[1] != k_cache.shape[2]
+    if nd:
+        n_pages = batch.block_tables.shape[1]
+        tables = batch.block_tables[:nd].reshape(-1)
+        k = k_cache.index_select(0, tables).view(nd, n_pages * batch.tokens_per_page, *k_cache.shape[2:])
+        v = v_cache.index_select(0, tables).view(nd, n_pages * batch.tokens_per_page, *v_cache.shape[2:])
+        q = query[:nd].unsqueeze(2)  # [nd, heads, 1, dim]
+        o = F.scaled_dot_product_attention(
+            q,
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=batch.decode_mask(sliding_window),
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        out[:nd] = o.squeeze(2)
+    starts = batch.query_starts
+    for s in range(nd, batch.num_seqs):
+        lo, hi = starts[s], starts[s + 1]
+        n_q, n_k = hi - lo, batch.context_lens[s]
+        if n_q == n_k:  # fresh prefill: the new K/V are the whole context
+            k, v = key[lo:hi], value[lo:hi]
+        else:
+            n_pages = -(-n_k // batch.tokens_per_page)
+            pages = batch.block_tables[s, :n_pages]
+            k = gather_kv(k_cache, pages)[:n_k]
+            v = gather_kv(v_cache, pages)[:n_k]
+        mask = _prefill_mask(n_q, n_k, sliding_window, query.device)
+        o = F.scaled_dot_product_attention(
+            query[lo:hi].transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+        out[lo:hi] = o.transpose(0, 1)
+    return out
+
+
+def naive_attention(
+    query: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    query_starts: list[int],
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Dense per-sequence attention from whole K/V tensors: the oracle for tests."""
+    out = torch.empty_like(query)
+    for s, (k, v) in enumerate(zip(keys, values, strict=True)):
+        lo, hi = query_starts[s], query_starts[s + 1]
+        n_q, n_k = hi - lo, k.shape[0]
+        group = query.shape[1] // k.shape[1]
+        kk = k.repeat_interleave(group, dim=1).transpose(0, 1).float()
+        vv = v.repeat_interleave(group, dim=1).transpose(0, 1).float()
+        scores = query[lo:hi].transpose(0, 1).float() @ kk.transpose(1, 2) * scale
+        mask = _prefill_mask(n_q, n_k, sliding_window, query.device)
+        if mask is None:
+            mask = torch.ones(n_q, n_k, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        out[lo:hi] = (scores.softmax(-1) @ vv).transpose(0, 1).to(query.dtype)
+    return out

@@ -1,0 +1,61 @@
+"""Attention backends, chosen once at start-up (not a global: the engine holds one)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from trae_groups.kernels import attention as reference
+
+log = logging.getLogger("trae_groups.kernels")
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    store_kv: Callable
+    paged_attention: Callable
+
+
+def _torch_backend() -> AttentionBackend:
+    return AttentionBackend("torch", reference.store_kv, reference.paged_attention)
+
+
+# name -> (is_available(device), factory); GPU backends register themselves on import.
+_BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], AttentionBackend]]] = {
+    "torch": (lambda device: True, _torch_backend),
+}
+_PREFERENCE = ["flash_attn", "triton", "torch"]
+
+
+def register_backend(
+    name: str,
+    available: Callable[[torch.device], bool],
+    factory: Callable[[], AttentionBackend],
+) -> None:
+    _BACKENDS[name] = (available, factory)
+
+
+def available_backends(device: torch.device) -> list[str]:
+    return [name for name, (ok, _) in _BACKENDS.items() if ok(device)]
+
+
+def select_backend(device: str | torch.device, prefer: str | None = None) -> AttentionBackend:
+    """The named backend, or the best one available on the device."""
+    device = torch.device(device)
+    if prefer is not None:
+        if prefer not in _BACKENDS:
+            raise ValueError(f"unknown attention backend {prefer!r}; known: {sorted(_BACKENDS)}")
+        ok, factory = _BACKENDS[prefer]
+        if not ok(device):
+            raise ValueError(f"attention backend {prefer!r} is not available on {device}")
+        return factory()
+    for name in _PREFERENCE:
+        if name in _BACKENDS and _BACKENDS[name][0](device):
+            backend = _BACKENDS[name][1]()
+            log.info("attention backend: %s on %s", backend.name, device)
+            return backend
+    return _torch_backend()

@@ -1,0 +1,97 @@
+"""Tiny real models, built from transformers configs and saved to disk, loaded back
+through the same code users use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+CORPUS = [
+    "hello world, how are you today?",
+    "the quick brown fox jumps over the lazy dog",
+    "I would like to book a flight to Paris next Monday.",
+    "Order 1234 has not arrived; please refund me.",
+    "Größe, café, naïve – ünïcödé text works too.",
+    "Assistant: Sure, I can help with that. User: thanks!",
+] * 4
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 400):
+    """A byte-level BPE tokenizer trained on a small corpus (no hub access needed)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.save_pretrained(folder)
+    return fast
+
+
+LLM_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+}
+
+
+def build_llm(folder: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    import transformers
+
+    config_name, model_name, extra = LLM_FAMILIES[family]
+    tokenizer = build_tokenizer(folder)
+    kwargs = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config)
+    with torch.no_grad():  # random init is near-uniform; sharpen so greedy has clear winners
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def llm_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("llms")
+    return {family: build_llm(root / family, family) for family in LLM_FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(llm_dirs) -> Path:
+    return llm_dirs["llama"]
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
