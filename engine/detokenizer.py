@@ -4,18 +4,22 @@ from __future__ import annotations
 
 from trae_groups.engine.sequence import Sequence
 
-def update_text(seq: Sequence, tokenizer, skip_special: bool) -> None:
+
+def update_text(
+    seq: Sequence, tokenizer, skip_special: bool, final: bool = False, upto: int | None = None
+) -> None:
     """Append the text of the newest tokens to ``seq.text``.
 
     The tokens decoded last time are decoded again with the new ones, so that merges
     across token boundaries (sentencepiece spaces, byte pieces) come out right; a
-    partial UTF-8 character (U+FFFD) is held back until a later token completes it.
+    partial UTF-8 character (U+FFFD) is held back until a later token completes it,
+    or until the sequence ends (``final``).
     """
-    ids = seq.output_token_ids
+    ids = seq.output_token_ids[:upto]
     lo, mid = seq.detok_prefix, seq.detok_read
     before = tokenizer.decode(ids[lo:mid], skip_special_tokens=skip_special)
     after = tokenizer.decode(ids[lo:], skip_special_tokens=skip_special)
-    if len(after) > len(before) and not after.endswith("\ufffd"):
+    if len(after) > len(before) and (final or not after.endswith("\ufffd")):
         seq.text += after[len(before) :]
         seq.detok_prefix, seq.detok_read = mid, len(ids)
 

@@ -52,7 +52,9 @@ def read_config(path: str):
 def load_causal_lm(path: str, dtype: torch.dtype, device: str):
     """The model class transformers picks for the folder, with our paged attention."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation=ATTN_NAME, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, attn_implementation=ATTN_NAME, dtype=dtype
+        )
     except Exception as exc:
         raise ModelLoadError(path, f"cannot load as a causal LM: {exc}") from exc
     try:
@@ -83,7 +85,10 @@ class LLMEngine:
             self.add_llm(name, path)
         log.info(
             "engine: %d pages of %d bytes on %s, attention backend %s",
-            self.pool.num_pages, self.pool.page_bytes, self.config.device, self.backend.name,
+            self.pool.num_pages,
+            self.pool.page_bytes,
+            self.config.device,
+            self.backend.name,
         )
 
     def _make_pool(self, layouts) -> MemoryPool:
@@ -94,17 +99,27 @@ class LLMEngine:
         return MemoryPool.from_size(self.config.pool_size(), page_bytes, self.config.device)
 
     # -- models --------------------------------------------------------------------
-    def add_llm(self, name: str, path: str | Path, model=None, tokenizer=None, cache_key=None) -> LLMWorker:
+    def add_llm(
+        self, name: str, path: str | Path, model=None, tokenizer=None, cache_key=None
+    ) -> LLMWorker:
         """Load a causal LM (or take one already loaded with our attention) onto the engine."""
         if model is None:
-            model, tokenizer = load_causal_lm(str(path), self.config.torch_dtype, self.config.device)
+            model, tokenizer = load_causal_lm(
+                str(path), self.config.torch_dtype, self.config.device
+            )
         if self.config.fast_linear and self.config.device == "cpu":
             from trae_groups.engine.fast_linear import fast_linear_available, pack_linears
 
             if fast_linear_available():
                 pack_linears(model)
         worker = LLMWorker(
-            name, model, tokenizer, self.pool, self.config, self.backend, self.loop.wake,
+            name,
+            model,
+            tokenizer,
+            self.pool,
+            self.config,
+            self.backend,
+            self.loop.wake,
             cache_key=cache_key or (name, str(path)),
         )
         self.llms[name] = worker
@@ -154,7 +169,9 @@ class LLMEngine:
             raise EngineStopped("the engine is not running; call start()")
         worker = self.llm(model)
         request_id = request_id or f"req-{next(_ids)}"
-        worker.submit(prompt, params or SamplingParams(), request_id=request_id, sink=sink, priority=priority)
+        worker.submit(
+            prompt, params or SamplingParams(), request_id=request_id, sink=sink, priority=priority
+        )
         return request_id
 
     def add_request(
@@ -196,6 +213,7 @@ class LLMEngine:
                     results[index] = out
                     if len(results) == len(prompts):
                         done.set()
+
             return sink
 
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):

@@ -59,7 +59,7 @@ class LLMWorker(Worker):
         self.pool = pool
         self.wake = wake
         self.layout = kv_layout(model.config, config.torch_dtype)
-        self.kv = pool.kv_view(self.layout, config.tokens_per_page if config.page_bytes is None else None)
+        self.kv = pool.kv_view(self.layout)  # smaller models fit more tokens in a page
         self.runner = LLMRunner(model, self.kv, backend)
         text_config = model.config.get_text_config()
         model_len = getattr(text_config, "max_position_embeddings", None) or 2048
@@ -91,7 +91,9 @@ class LLMWorker(Worker):
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise RequestError("prompt", f"model {self.name!r} has no tokenizer; send token ids")
+                raise RequestError(
+                    "prompt", f"model {self.name!r} has no tokenizer; send token ids"
+                )
             return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
         return list(prompt)
 
@@ -121,9 +123,13 @@ class LLMWorker(Worker):
         if pages > self.pool.num_pages:
             raise RequestError("prompt", f"needs {pages} pages; the pool has {self.pool.num_pages}")
         if params.stop and self.tokenizer is None:
-            raise RequestError("stop", f"model {self.name!r} has no tokenizer to match stop strings")
+            raise RequestError(
+                "stop", f"model {self.name!r} has no tokenizer to match stop strings"
+            )
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = Sequence(request_id, tokens, params, sink, priority or Priority(), generator=generator)
+        seq = Sequence(
+            request_id, tokens, params, sink, priority or Priority(), generator=generator
+        )
         with self._lock:
             if request_id in self._live:
                 raise RequestError("request_id", f"{request_id!r} is already running")
@@ -146,7 +152,11 @@ class LLMWorker(Worker):
             return None
         if not pending and now < self._stalled_until:
             return None
-        seqs = [s for s in pending if s is not None] + self.scheduler.running + self.scheduler.waiting[:1]
+        seqs = (
+            [s for s in pending if s is not None]
+            + self.scheduler.running
+            + self.scheduler.waiting[:1]
+        )
         if not seqs:
             return Urgency(False, 0, -now)
         best = max(seqs, key=lambda s: (s.priority.depth, -s.priority.arrival))
@@ -222,7 +232,9 @@ class LLMWorker(Worker):
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
         if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
-            return "stop"  # the stop token's own text is not part of the reply
+            if self.tokenizer is not None:  # the stop token's own text is not part of the reply
+                update_text(seq, self.tokenizer, params.skip_special_tokens, final=True, upto=-1)
+            return "stop"
         if self.tokenizer is not None:
             searched = len(seq.text)
             update_text(seq, self.tokenizer, params.skip_special_tokens)
@@ -231,6 +243,8 @@ class LLMWorker(Worker):
                 seq.text = seq.text[:cut]
                 return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            if self.tokenizer is not None:
+                update_text(seq, self.tokenizer, params.skip_special_tokens, final=True)
             return "length"
         return None
 
@@ -254,8 +268,11 @@ class LLMWorker(Worker):
             top_logprobs=list(seq.top_logprobs) if seq.params.logprobs is not None else None,
             num_cached_tokens=seq.num_cached_tokens,
             error=error,
-            metrics={"preemptions": seq.preemptions, "arrival": seq.arrival,
-                     "first_token_time": seq.first_token_time},
+            metrics={
+                "preemptions": seq.preemptions,
+                "arrival": seq.arrival,
+                "first_token_time": seq.first_token_time,
+            },
         )
         seq.sent_text_len = len(seq.text) if seq.finished else text_ready
         seq.sent_tokens = len(seq.output_token_ids)

@@ -141,7 +141,10 @@ class MemoryPool:
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 
-    def allocate(self, owner: str, n: int) -> list[int] | None:
+    def allocate(self, owner: str, n: int, zero: bool = False) -> list[int] | None:
+        """``zero``: clear the pages first. Attention reads whole pages and masks the
+        unused tail; stale bytes of another model's layout could be NaN there, and
+        a masked NaN still poisons the weighted sum."""
         if n > self.num_free:
             return None
         pages = []
@@ -156,6 +159,8 @@ class MemoryPool:
             self._owner[page] = owner
             self._in_use_by_owner[owner] += 1
             pages.append(page)
+        if zero and pages:
+            self.buffer[torch.tensor(pages, device=self.device)] = 0
         return pages
 
     def share(self, page: int) -> None:

@@ -36,9 +36,17 @@ class SamplingParams:
 
     def validate(self) -> None:
         checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an integer >= 1"),
+            (
+                "max_tokens",
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "must be an integer >= 1",
+            ),
             ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be an integer >= 0 (0 = off)"),
+            (
+                "top_k",
+                isinstance(self.top_k, int) and self.top_k >= 0,
+                "must be an integer >= 0 (0 = off)",
+            ),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("min_p", 0.0 <= self.min_p < 1.0, "must be in [0, 1)"),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),

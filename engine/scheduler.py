@@ -131,7 +131,7 @@ class Scheduler:
         need = self.pages_needed(num_tokens) - len(seq.pages)
         if need <= 0:
             return True
-        pages = self.pool.allocate(self.owner, need)
+        pages = self.pool.allocate(self.owner, need, zero=True)
         if pages is None:
             return False
         seq.pages.extend(pages)

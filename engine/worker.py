@@ -63,5 +63,6 @@ class Worker(ABC):
     def stats(self) -> dict:
         return {}
 
+    @abstractmethod
     def close(self) -> None:
         """Engine stopping: fail every pending item with EngineStopped."""

@@ -104,8 +104,12 @@ def paged_attention(
     if nd:
         n_pages = batch.block_tables.shape[1]
         tables = batch.block_tables[:nd].reshape(-1)
-        k = k_cache.index_select(0, tables).view(nd, n_pages * batch.tokens_per_page, *k_cache.shape[2:])
-        v = v_cache.index_select(0, tables).view(nd, n_pages * batch.tokens_per_page, *v_cache.shape[2:])
+        k = k_cache.index_select(0, tables).view(
+            nd, n_pages * batch.tokens_per_page, *k_cache.shape[2:]
+        )
+        v = v_cache.index_select(0, tables).view(
+            nd, n_pages * batch.tokens_per_page, *v_cache.shape[2:]
+        )
         q = query[:nd].unsqueeze(2)  # [nd, heads, 1, dim]
         o = F.scaled_dot_product_attention(
             q,
