@@ -95,3 +95,35 @@ def llama_dir(llm_dirs) -> Path:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+ENCODER_WORDS = ["hello", "world", "order", "refund", "paris", "london", "john", "please",
+                 "my", "the", "is", "where", "buy", "now", "cheap", "pills", "to", "ship", "a"]  # fmt: skip
+
+
+def build_encoder(folder: Path, task: str, labels: list[str], seed: int = 0) -> Path:
+    """A tiny BERT (classify / tag / embed) with a WordPiece vocabulary, saved to disk."""
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        BertForTokenClassification,
+        BertModel,
+        BertTokenizerFast,
+    )
+
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789.,!?")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *ENCODER_WORDS, *chars]
+    vocab += ["##" + c for c in chars]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    config = BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64,
+        id2label=dict(enumerate(labels)), label2id={lab: i for i, lab in enumerate(labels)},
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    cls = {"classify": BertForSequenceClassification, "tag": BertForTokenClassification,
+           "embed": BertModel}[task]  # fmt: skip
+    cls(config).save_pretrained(folder)
+    return folder
