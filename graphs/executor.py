@@ -210,9 +210,13 @@ class GraphExecutor:
         because = self.graph.skipped_because(name, request.skipped)
         reason = f"parent '{because}' was skipped" if because else None
         condition = self.graph.spec.nodes[name].when
-        if reason is None and condition is not None:
-            if not evaluate_condition(condition, request.context):  # errors: on_error applies
-                reason = "condition is false"
+        # a condition that raises is a node failure: on_error applies
+        if (
+            reason is None
+            and condition is not None
+            and not evaluate_condition(condition, request.context)
+        ):
+            reason = "condition is false"
         if reason is None:
             return False
         request.skipped.add(name)
