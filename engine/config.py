@@ -28,6 +28,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     fast_linear: bool = True  # oneDNN pre-packed linears on CPU, when available
     attention_backend: str | None = None  # None: best available
+    scheduling: str = "graph"  # "graph": deeper, then older work first; "fifo": older first
     num_threads: int | None = None
 
     def __post_init__(self):
@@ -40,6 +41,8 @@ class EngineConfig:
         for name in ("tokens_per_page", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        if self.scheduling not in ("graph", "fifo"):
+            raise ValueError(f"scheduling: must be 'graph' or 'fifo', got {self.scheduling!r}")
         if self.page_bytes is not None and (self.page_bytes < 64 or self.page_bytes % 64):
             raise ValueError("page_bytes: must be a positive multiple of 64")
 

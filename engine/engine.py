@@ -73,7 +73,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
-        self.loop = EngineLoop()
+        self.loop = EngineLoop(policy=self.config.scheduling)
         self.backend = select_backend(self.config.device, self.config.attention_backend)
         named = _named(models)
         layouts = [kv_layout(read_config(p), self.config.torch_dtype) for p in named.values()]

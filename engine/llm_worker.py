@@ -71,6 +71,7 @@ class LLMWorker(Worker):
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             cache_key=(cache_key or name) if config.enable_prefix_cache else None,
+            policy=config.scheduling,
         )
         self.sampler = Sampler()
         self.eos_ids = _eos_ids(model, tokenizer)

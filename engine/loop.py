@@ -4,7 +4,8 @@ Policy: among workers with runnable work, step the one whose most urgent item is
 (1) overdue — waited past its worker's queue-delay budget, then (2) deepest in its
 request's DAG, then (3) oldest. Encoders gather a batch until it is full or their
 delay budget runs out, so a busy LLM delays an encoder batch by at most one step
-past that budget. torch releases the GIL inside kernels, so asyncio keeps serving
+past that budget. With ``policy="fifo"`` depth is ignored: overdue, then oldest.
+torch releases the GIL inside kernels, so asyncio keeps serving
 HTTP while this thread computes.
 """
 
@@ -14,13 +15,14 @@ import logging
 import threading
 import time
 
-from trae_groups.engine.worker import Worker
+from trae_groups.engine.worker import Urgency, Worker
 
 log = logging.getLogger("trae_groups.engine")
 
 
 class EngineLoop:
-    def __init__(self, name: str = "trae-engine"):
+    def __init__(self, name: str = "trae-engine", policy: str = "graph"):
+        self.policy = policy
         self._workers: dict[str, Worker] = {}
         self._wake = threading.Condition()
         self._pending_wake = False
@@ -79,6 +81,8 @@ class EngineLoop:
         best, best_key = None, None
         for worker in list(self._workers.values()):
             key = worker.urgency(now)
+            if key is not None and self.policy == "fifo":
+                key = Urgency(key.overdue, 0, key.neg_arrival)
             if key is not None and (best_key is None or key > best_key):
                 best, best_key = worker, key
         return best

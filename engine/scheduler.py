@@ -54,7 +54,9 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         cache_key: Hashable | None,
+        policy: str = "graph",
     ):
+        self.policy = policy
         self.pool = pool
         self.owner = owner
         self.page = tokens_per_page
@@ -67,9 +69,9 @@ class Scheduler:
         self.num_preemptions = 0
 
     # -- queues ----------------------------------------------------------------
-    @staticmethod
-    def _rank(seq: Sequence) -> tuple:
-        return (-seq.priority.depth, seq.priority.arrival, seq.arrival)
+    def _rank(self, seq: Sequence) -> tuple:
+        depth = -seq.priority.depth if self.policy == "graph" else 0
+        return (depth, seq.priority.arrival, seq.arrival)
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
