@@ -1,0 +1,333 @@
+"""Whole-graph checks and the compiled DAG the executor walks.
+
+`check_graph` finds what pydantic cannot see one field at a time: references to
+unknown models, inputs, nodes or result fields; node kinds a model's task cannot
+serve; template errors; cycles; missing outputs. `compile_graph` turns a clean spec
+into a `CompiledGraph`: a networkx DAG with depth, generations, parents, children
+and each node's templates compiled once.
+
+Skip rule (docs/graphs.md): a node is skipped when its `when` is false, or when any
+parent (referenced or `after:`) was skipped and is not listed in its `optional:`.
+A skipped node's result, and every output that reads it, is null.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from trae_groups.graphs.errors import GraphValidationError, SourceMap, ValidationIssue
+from trae_groups.graphs.spec import (
+    KIND_TASKS,
+    RESULT_FIELDS,
+    GraphSpec,
+    NodeSpec,
+    PythonNode,
+)
+from trae_groups.graphs.templates import NodeTemplates, analyze, node_templates, resolve_reference
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A whole-graph problem, located by spec path (the loader turns it into a line)."""
+
+    path: tuple
+    message: str
+    node: str | None = None
+    template_line: int | None = None
+
+
+@dataclass(frozen=True)
+class Excused:
+    """Names already reported broken by shape checks: references to them are not errors."""
+
+    models: frozenset[str] = frozenset()
+    inputs: frozenset[str] = frozenset()
+    nodes: frozenset[str] = frozenset()
+    sections: frozenset[str] = frozenset()
+
+
+# ---------------------------------------------------------------- checks
+
+
+@dataclass
+class _Walk:
+    """Accumulates problems and edges while checking one spec."""
+
+    spec: GraphSpec
+    excused: Excused
+    problems: list[Problem] = field(default_factory=list)
+    edges: list[tuple[str, str, str]] = field(default_factory=list)
+
+    def add(self, path: tuple, message: str, node: str | None = None, line: int | None = None):
+        self.problems.append(Problem(path, message, node, line))
+
+
+def check_graph(
+    spec: GraphSpec, excused: Excused = Excused(), set_aside: Mapping[str, Any] | None = None
+) -> tuple[list[Problem], nx.DiGraph]:
+    """Every whole-graph problem of `spec`, and the dependency graph it implies.
+
+    `set_aside`: raw nodes that failed shape checks; their templates are checked too.
+    """
+    walk = _Walk(spec, excused)
+    for name, raw in (set_aside or {}).items():
+        if isinstance(raw, Mapping):
+            _check_templates(walk, name, raw)
+    if not spec.nodes and "nodes" not in excused.sections and not excused.nodes:
+        walk.add(("nodes",), "the graph declares no nodes")
+    for name, node in spec.nodes.items():
+        _check_model(walk, name, node)
+        _check_templates(walk, name, node)
+        _check_after(walk, name, node)
+        _check_default(walk, name, node)
+    dag = nx.DiGraph()
+    dag.add_nodes_from(spec.nodes)
+    for parent, child, via in walk.edges:
+        if not dag.has_edge(parent, child) or via == "reference":
+            dag.add_edge(parent, child, via=via)
+    for name, node in spec.nodes.items():
+        _check_optional(walk, dag, name, node)
+    _check_cycles(walk, dag)
+    _check_outputs(walk)
+    return walk.problems, dag
+
+
+def _check_model(walk: _Walk, name: str, node: NodeSpec) -> None:
+    if isinstance(node, PythonNode):
+        return
+    model = walk.spec.models.get(node.model)
+    path = ("nodes", name, "model")
+    if model is None:
+        if node.model not in walk.excused.models and "models" not in walk.excused.sections:
+            hint = _suggest(node.model, walk.spec.models)
+            walk.add(path, f"unknown model '{node.model}'{hint}", name)
+    elif model.task not in KIND_TASKS[node.kind]:
+        walk.add(
+            path,
+            f"a {node.kind} node cannot run on model '{node.model}' (its task is {model.task})",
+            name,
+        )
+
+
+def _check_templates(walk: _Walk, name: str, node: NodeSpec | Mapping[str, Any]) -> None:
+    for sub, source, condition in node_templates(node):
+        path = ("nodes", name, *sub)
+        info = analyze(source, expression=condition)
+        for problem in info.problems:
+            walk.add(path, problem.message, name, problem.line)
+        for ref in info.references:
+            message = _reference_problem(walk, name, ref.root, ref.field)
+            if message:
+                walk.add(path, message, name, ref.line)
+            elif ref.root in walk.spec.nodes and ref.root != name and name in walk.spec.nodes:
+                walk.edges.append((ref.root, name, "reference"))
+
+
+def _reference_problem(walk: _Walk, name: str | None, root: str, attr: str | None) -> str | None:
+    spec, excused = walk.spec, walk.excused
+    if root == "inputs":
+        if attr is None or attr in spec.inputs or attr in excused.inputs:
+            return None
+        if "inputs" in excused.sections:
+            return None
+        return f"unknown input '{attr}'{_suggest(attr, spec.inputs)}"
+    if root == name:
+        return "a node cannot reference itself"
+    if root in spec.nodes:
+        fields = RESULT_FIELDS[spec.nodes[root].kind]
+        if attr is None or fields is None or attr in fields:
+            return None
+        kind = spec.nodes[root].kind
+        return f"{kind} node '{root}' has no field '{attr}' (fields: {', '.join(sorted(fields))})"
+    if root in excused.nodes or "nodes" in excused.sections:
+        return None
+    return f"unknown name '{root}': not a node, and inputs are read as inputs.<name>" + _suggest(
+        root, spec.nodes
+    )
+
+
+def _check_after(walk: _Walk, name: str, node: NodeSpec) -> None:
+    for i, other in enumerate(node.after):
+        path = ("nodes", name, "after", i)
+        if other == name:
+            walk.add(path, "a node cannot wait for itself", name)
+        elif other in walk.spec.nodes:
+            walk.edges.append((other, name, "after"))
+        elif other not in walk.excused.nodes and "nodes" not in walk.excused.sections:
+            walk.add(path, f"after: unknown node '{other}'{_suggest(other, walk.spec.nodes)}", name)
+
+
+def _check_default(walk: _Walk, name: str, node: NodeSpec) -> None:
+    """An `on_error: default` value stands in for a result, so it has a result's fields."""
+    fields = RESULT_FIELDS[node.kind]
+    if node.default is None or fields is None:
+        return
+    if not isinstance(node.default, dict) or not set(node.default) <= fields:
+        walk.add(
+            ("nodes", name, "default"),
+            f"default stands in for a {node.kind} result: a mapping with some of the "
+            f"fields {', '.join(sorted(fields))}",
+            name,
+        )
+
+
+def _check_optional(walk: _Walk, dag: nx.DiGraph, name: str, node: NodeSpec) -> None:
+    for i, other in enumerate(node.optional):
+        if not dag.has_edge(other, name) and other not in walk.excused.nodes:
+            walk.add(
+                ("nodes", name, "optional", i),
+                f"optional: '{other}' is not a node this one references or waits for",
+                name,
+            )
+
+
+def _check_cycles(walk: _Walk, dag: nx.DiGraph) -> None:
+    order = list(walk.spec.nodes)
+    for component in nx.strongly_connected_components(dag):
+        if len(component) < 2:
+            continue
+        cycle = [edge[0] for edge in nx.find_cycle(dag.subgraph(component))]
+        start = min(range(len(cycle)), key=lambda i: order.index(cycle[i]))
+        cycle = cycle[start:] + cycle[:start]
+        text = " -> ".join([*cycle, cycle[0]])
+        walk.add(("nodes", cycle[0]), f"dependency cycle: {text}", cycle[0])
+
+
+def _check_outputs(walk: _Walk) -> None:
+    spec = walk.spec
+    if not spec.outputs and "outputs" not in walk.excused.sections:
+        walk.add(("outputs",), "the graph declares no outputs")
+    for key, reference in spec.outputs.items():
+        root, _, rest = reference.partition(".")
+        attr = rest.split(".")[0] if rest else None
+        if root == "inputs" and attr is None:
+            message = "an output reads one input: inputs.<name>"
+        else:
+            message = _reference_problem(walk, None, root, attr)
+        if message:
+            walk.add(("outputs", key), f"output '{key}': {message}")
+
+
+def _suggest(name: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.7)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def issues_from(problems: Iterable[Problem], source: SourceMap) -> list[ValidationIssue]:
+    """Problems located in the declaring file."""
+    return [source.issue(p.path, p.message, p.node, p.template_line) for p in problems]
+
+
+# ---------------------------------------------------------------- the compiled graph
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledGraph:
+    """A validated graph as the executor needs it. Nothing here changes per request."""
+
+    spec: GraphSpec
+    dag: nx.DiGraph
+    depth: Mapping[str, int]
+    generations: tuple[tuple[str, ...], ...]
+    order: tuple[str, ...]
+    templates: Mapping[str, NodeTemplates]
+
+    @property
+    def roots(self) -> tuple[str, ...]:
+        return tuple(n for n in self.order if self.dag.in_degree(n) == 0)
+
+    def parents(self, node: str) -> tuple[str, ...]:
+        return tuple(p for p in self.order if self.dag.has_edge(p, node))
+
+    def children(self, node: str) -> tuple[str, ...]:
+        return tuple(c for c in self.order if self.dag.has_edge(node, c))
+
+    def skipped_because(self, node: str, skipped: Collection[str]) -> str | None:
+        """The skip rule's first half: a skipped parent that is not `optional:`, if any."""
+        optional = set(self.spec.nodes[node].optional)
+        for parent in self.parents(node):
+            if parent in skipped and parent not in optional:
+                return parent
+        return None
+
+    def output_node(self, output: str) -> str | None:
+        """The node an output reads, or None when it reads an input."""
+        root = self.spec.outputs[output].split(".")[0]
+        return None if root == "inputs" else root
+
+    def needed_for(self, outputs: Iterable[str] | None = None) -> frozenset[str]:
+        """The nodes that must run to produce these outputs (all outputs by default)."""
+        needed: set[str] = set()
+        for output in self.spec.outputs if outputs is None else outputs:
+            node = self.output_node(output)
+            if node is not None:
+                needed |= {node} | nx.ancestors(self.dag, node)
+        return frozenset(needed)
+
+    def outputs(self, context: Mapping[str, Any], names: Iterable[str] | None = None) -> dict:
+        """Output values from a finished context; outputs of skipped nodes are None."""
+        names = self.spec.outputs if names is None else names
+        return {name: resolve_reference(self.spec.outputs[name], context) for name in names}
+
+
+def compile_graph(spec: GraphSpec) -> CompiledGraph:
+    """Check `spec` as a whole and build its DAG; GraphValidationError lists every issue."""
+    problems, dag = check_graph(spec)
+    if problems:
+        raise GraphValidationError(issues_from(problems, spec.source or SourceMap("<spec>")))
+    order = tuple(nx.lexicographical_topological_sort(dag, key=list(spec.nodes).index))
+    depth: dict[str, int] = {}
+    for node in order:
+        depth[node] = max((depth[p] + 1 for p in dag.predecessors(node)), default=0)
+        dag.nodes[node].update(kind=spec.nodes[node].kind, depth=depth[node])
+    generations = tuple(tuple(sorted(g, key=order.index)) for g in nx.topological_generations(dag))
+    templates = {name: NodeTemplates(node) for name, node in spec.nodes.items()}
+    return CompiledGraph(spec, dag, depth, generations, order, templates)
+
+
+# ---------------------------------------------------------------- python functions
+
+
+def resolve_functions(spec: GraphSpec) -> dict[str, Callable[..., Any]]:
+    """Import every python node's function (a separate step: importing runs user code).
+
+    Returns node name -> callable (sync or async); GraphValidationError lists every
+    node whose function cannot be imported, is missing, or is not callable.
+    """
+    source = spec.source or SourceMap("<spec>")
+    found, issues = {}, []
+    for name, node in spec.nodes.items():
+        if isinstance(node, PythonNode):
+            try:
+                found[name] = _import(node.function)
+            except _ResolveError as exc:
+                issues.append(source.issue(("nodes", name, "function"), str(exc), name))
+    if issues:
+        raise GraphValidationError(issues)
+    return found
+
+
+class _ResolveError(Exception):
+    pass
+
+
+def _import(reference: str) -> Callable[..., Any]:
+    module_name, _, attr_path = reference.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise _ResolveError(f"cannot import '{module_name}': {type(exc).__name__}: {exc}") from exc
+    for attr in attr_path.split("."):
+        try:
+            obj = getattr(obj, attr)
+        except AttributeError:
+            raise _ResolveError(f"'{reference}': no attribute '{attr}'") from None
+    if not callable(obj):
+        raise _ResolveError(f"'{reference}' is not callable")
+    return obj

@@ -1,0 +1,357 @@
+"""Node templates and `when:` conditions: Jinja2 in a sandbox that cannot reach out.
+
+A graph file must never run code or read files, so the environment is Jinja's
+immutable sandbox with no loader (no include/import/extends), no extensions, no
+constant folding (so validating a template never evaluates it), StrictUndefined (a
+typo fails loudly instead of rendering as ""), and attribute access that prefers
+dict keys (so a result field named `items` is the field, not ``dict.items``).
+
+The rendering context is ``{"inputs": {...}, "<node>": result dict or None, ...}``.
+
+Raw-value rule: a template that is exactly one ``{{ expression }}`` (whitespace
+around it allowed) yields the expression's value unchanged — a list stays a list, a
+number a number. Any other template renders to a string.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from jinja2 import StrictUndefined, Undefined, meta, nodes
+from jinja2.exceptions import TemplateSyntaxError
+from jinja2.parser import Parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+from jinja2.utils import Namespace
+from pydantic import BaseModel
+
+from trae_groups.graphs.errors import TemplateRenderError
+from trae_groups.graphs.spec import GenerateNode, NodeSpec, PythonNode
+
+_SINGLE = re.compile(r"^\s*\{\{-?(.*?)-?\}\}\s*$", re.S)
+_FORBIDDEN_NODES = (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with mapping keys winning over methods for `a.b`."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if isinstance(obj, Mapping):
+            try:
+                return obj[attribute]
+            except (KeyError, TypeError):
+                pass
+        return super().getattr(obj, attribute)
+
+
+def make_environment() -> ImmutableSandboxedEnvironment:
+    """A fresh sandbox; its globals are only range (bounded), dict and namespace."""
+    env = _Sandbox(undefined=StrictUndefined, autoescape=False, optimized=False)
+    env.globals = {"range": safe_range, "dict": dict, "namespace": Namespace}
+    return env
+
+
+ENV = make_environment()
+
+
+# ---------------------------------------------------------------- static analysis
+
+
+@dataclass(frozen=True)
+class TemplateRef:
+    """A name a template reads: `intent.label` is ("intent", "label", line)."""
+
+    root: str
+    field: str | None
+    line: int
+
+
+@dataclass(frozen=True)
+class TemplateProblem:
+    """Something wrong in a template; `line` is the template's own line number."""
+
+    message: str
+    line: int | None
+
+
+@dataclass(frozen=True)
+class TemplateInfo:
+    """What a template reads and what is wrong with it."""
+
+    references: tuple[TemplateRef, ...]
+    problems: tuple[TemplateProblem, ...]
+
+
+def parse(source: str, *, expression: bool = False) -> nodes.Template:
+    """The AST of a template, or of a condition expression wrapped as one."""
+    if not expression:
+        return ENV.parse(source)
+    parser = Parser(ENV, source, state="variable")
+    expr = parser.parse_expression()
+    if not parser.stream.eos:
+        token = parser.stream.current
+        raise TemplateSyntaxError(f"unexpected {token.value!r} after the condition", token.lineno)
+    root = nodes.Template([nodes.Output([expr], lineno=1)], lineno=1)
+    root.set_environment(ENV)
+    return root
+
+
+def analyze(source: str, *, expression: bool = False) -> TemplateInfo:
+    """Parse without running: syntax errors, forbidden constructs, free references."""
+    try:
+        ast = parse(source, expression=expression)
+    except TemplateSyntaxError as exc:
+        return TemplateInfo((), (TemplateProblem(f"template syntax: {exc.message}", exc.lineno),))
+    free = meta.find_undeclared_variables(ast) - set(ENV.globals)
+    return TemplateInfo(tuple(_references(ast, free)), tuple(_forbidden(ast)))
+
+
+def _forbidden(ast: nodes.Template) -> Iterator[TemplateProblem]:
+    for node in ast.find_all(_FORBIDDEN_NODES):
+        yield TemplateProblem("templates cannot include, import or extend files", node.lineno)
+    for node in ast.find_all((nodes.Getattr, nodes.Getitem, nodes.Filter)):
+        if isinstance(node, nodes.Getattr):
+            attr = node.attr
+        elif isinstance(node, nodes.Getitem):
+            attr = _const(node.arg)
+        else:  # `x | attr('__class__')`
+            attr = _const(node.args[0]) if node.name == "attr" and node.args else None
+        if isinstance(attr, str) and attr.startswith("_"):
+            yield TemplateProblem(f"attribute {attr!r} is not allowed", node.lineno)
+    for node in ast.find_all(nodes.Name):
+        if node.name == "self":
+            yield TemplateProblem("'self' is not allowed in templates", node.lineno)
+
+
+def _references(ast: nodes.Template, free: set[str]) -> Iterator[TemplateRef]:
+    fielded: set[str] = set()
+    for node in ast.find_all((nodes.Getattr, nodes.Getitem)):
+        if isinstance(node.node, nodes.Name) and node.node.name in free:
+            attr = node.attr if isinstance(node, nodes.Getattr) else _const(node.arg)
+            if isinstance(attr, str):
+                fielded.add(node.node.name)
+                yield TemplateRef(node.node.name, attr, node.lineno)
+    for node in ast.find_all(nodes.Name):
+        if node.name in free and node.name not in fielded:
+            fielded.add(node.name)
+            yield TemplateRef(node.name, None, node.lineno)
+
+
+def _const(node: nodes.Node) -> Any:
+    return node.value if isinstance(node, nodes.Const) else None
+
+
+def node_templates(node: NodeSpec | Mapping[str, Any]) -> Iterator[tuple[tuple, str, bool]]:
+    """Every template of a node as (path inside the node, source, is_condition).
+
+    Takes a raw mapping too, so templates of a node that failed its shape checks
+    are still checked.
+    """
+    fields = node.model_dump() if isinstance(node, BaseModel) else node
+    if isinstance(fields.get("when"), str):
+        yield ("when",), fields["when"], True
+    for key in ("input", "prompt"):
+        if isinstance(fields.get(key), str):
+            yield (key,), fields[key], False
+    messages = fields.get("messages")
+    if isinstance(messages, str):
+        yield ("messages",), messages, False
+    elif isinstance(messages, list):
+        for i, message in enumerate(messages):
+            if isinstance(message, Mapping) and isinstance(message.get("content"), str):
+                yield ("messages", i, "content"), message["content"], False
+    yield from _value_templates(("args",), fields.get("args"))
+
+
+def _value_templates(path: tuple, value: Any) -> Iterator[tuple[tuple, str, bool]]:
+    if isinstance(value, str):
+        yield path, value, False
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _value_templates((*path, key), item)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _value_templates((*path, i), item)
+
+
+# ---------------------------------------------------------------- rendering
+
+
+class GraphTemplate:
+    """One compiled template; render() follows the raw-value rule (module doc)."""
+
+    def __init__(self, source: str):
+        self.source = source
+        ast = _checked(source, expression=False)
+        self._template = ENV.from_string(ast)
+        self._expression = _single_expression(source, ast)
+
+    def render(self, context: Mapping[str, Any]) -> Any:
+        try:
+            if self._expression is None:
+                return self._template.render(context)
+            return _defined(self._expression(context))
+        except TemplateRenderError:
+            raise
+        except Exception as exc:
+            raise TemplateRenderError(f"template {self.source!r}: {_describe(exc)}") from exc
+
+
+class Condition:
+    """A compiled `when:` expression; true means the node runs."""
+
+    def __init__(self, source: str):
+        self.source = source
+        _checked(source, expression=True)
+        self._expression = ENV.compile_expression(source, undefined_to_none=False)
+
+    def evaluate(self, context: Mapping[str, Any]) -> bool:
+        try:
+            return bool(_defined(self._expression(context)))
+        except TemplateRenderError:
+            raise
+        except Exception as exc:
+            raise TemplateRenderError(f"condition {self.source!r}: {_describe(exc)}") from exc
+
+
+def _checked(source: str, *, expression: bool) -> nodes.Template:
+    """Parse, refusing what validation refuses (defence in depth for direct callers)."""
+    try:
+        ast = parse(source, expression=expression)
+    except TemplateSyntaxError as exc:
+        raise TemplateRenderError(f"template {source!r}: {exc.message}") from exc
+    for problem in _forbidden(ast):
+        raise TemplateRenderError(f"template {source!r}: {problem.message}")
+    return ast
+
+
+def _single_expression(source: str, ast: nodes.Template) -> Any:
+    match = _SINGLE.match(source)
+    if not match or len(ast.body) != 1 or not isinstance(ast.body[0], nodes.Output):
+        return None
+    parts = [
+        n
+        for n in ast.body[0].nodes
+        if not (isinstance(n, nodes.TemplateData) and not n.data.strip())
+    ]
+    if len(parts) != 1 or isinstance(parts[0], nodes.TemplateData):
+        return None
+    return ENV.compile_expression(match.group(1), undefined_to_none=False)
+
+
+def _defined(value: Any) -> Any:
+    if isinstance(value, Undefined):
+        value._fail_with_undefined_error()
+    return value
+
+
+def _describe(exc: Exception) -> str:
+    return str(exc) if str(exc) else type(exc).__name__
+
+
+@lru_cache(maxsize=1024)
+def _compiled(source: str, condition: bool) -> GraphTemplate | Condition:
+    return Condition(source) if condition else GraphTemplate(source)
+
+
+def render_template(source: str, context: Mapping[str, Any]) -> Any:
+    """Render one template against a context (compiled once per distinct source)."""
+    return _compiled(source, False).render(context)
+
+
+def evaluate_condition(source: str, context: Mapping[str, Any]) -> bool:
+    """Evaluate one `when:` expression against a context."""
+    return _compiled(source, True).evaluate(context)
+
+
+class NodeTemplates:
+    """A node's templates compiled once, for the executor to render per request.
+
+    render() gives: classify/tag/embed the input value; generate the prompt string
+    or a list of {role, content} dicts; python the keyword arguments dict.
+    """
+
+    def __init__(self, node: NodeSpec):
+        self.node = node
+        self.when = Condition(node.when) if node.when is not None else None
+        self._payload = _compile_payload(node)
+
+    def should_run(self, context: Mapping[str, Any]) -> bool:
+        return self.when is None or self.when.evaluate(context)
+
+    def render(self, context: Mapping[str, Any]) -> Any:
+        value = _render_value(self._payload, context)
+        if isinstance(self.node, GenerateNode) and self.node.messages is not None:
+            return _check_messages(value)
+        return value
+
+
+def _compile_payload(node: NodeSpec) -> Any:
+    if isinstance(node, PythonNode):
+        return _compile_value(node.args)
+    if isinstance(node, GenerateNode):
+        if node.prompt is not None:
+            return GraphTemplate(node.prompt)
+        if isinstance(node.messages, str):
+            return GraphTemplate(node.messages)
+        return [{"role": m.role, "content": GraphTemplate(m.content)} for m in node.messages or ()]
+    return GraphTemplate(node.input)
+
+
+def _compile_value(value: Any) -> Any:
+    if isinstance(value, str):
+        return GraphTemplate(value)
+    if isinstance(value, dict):
+        return {key: _compile_value(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_compile_value(item) for item in value]
+    return value
+
+
+def _render_value(value: Any, context: Mapping[str, Any]) -> Any:
+    if isinstance(value, GraphTemplate):
+        return value.render(context)
+    if isinstance(value, dict):
+        return {key: _render_value(item, context) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_render_value(item, context) for item in value]
+    return value
+
+
+def _check_messages(value: Any) -> list[dict]:
+    ok = isinstance(value, list) and all(
+        isinstance(m, Mapping)
+        and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str)
+        for m in value
+    )
+    if not ok:
+        raise TemplateRenderError("messages must be a list of {role, content} with string values")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def resolve_reference(reference: str, context: Mapping[str, Any]) -> Any:
+    """The value of an output reference such as `reply.text` or `docs.0.title`.
+
+    A skipped node (None in the context) makes the whole reference None.
+    """
+    root, *steps = reference.split(".")
+    if root not in context:
+        raise TemplateRenderError(f"{reference!r}: {root!r} has no value yet")
+    value = context[root]
+    for step in steps:
+        if value is None:
+            return None
+        value = _step(value, step, reference)
+    return value
+
+
+def _step(value: Any, step: str, reference: str) -> Any:
+    if isinstance(value, Mapping) and step in value:
+        return value[step]
+    if isinstance(value, list | tuple) and step.isdigit() and int(step) < len(value):
+        return value[int(step)]
+    raise TemplateRenderError(f"{reference!r}: no field {step!r}")

@@ -1,0 +1,252 @@
+"""The Python DSL: builds the same GraphSpec a YAML file does. Nothing runs here.
+
+    group = ModelGroup("support")
+    group.add_model("intent", path="models/intent", task="classify")
+    text = group.input("text", str)
+    intent = group.classify("intent", model="intent", input=text)
+    reply = group.generate("reply", model="dialog", prompt=f"Intent: {intent.label}\\n{text}")
+    group.output("intent", intent.label)
+    spec = group.spec()
+
+A node handle's attributes are references (`intent.label`); in an f-string a
+reference becomes the template `{{ intent.label }}`. Errors come from `spec()`,
+with the file and line of the DSL call that declared the offending part.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from trae_groups.graphs.errors import Location, SourceMap, ValidationIssue
+from trae_groups.graphs.loader import parse_graph
+from trae_groups.graphs.spec import GraphSpec
+
+_PYTHON_TYPES: dict[Any, str] = {str: "str", int: "int", float: "float", bool: "bool"}
+_PYTHON_TYPES[list[str]] = "list[str]"
+
+
+class Ref:
+    """A reference to a graph input, a node's result, or a field inside one."""
+
+    __slots__ = ("_path",)
+
+    def __init__(self, path: str):
+        self._path = path
+
+    def __getattr__(self, name: str) -> Ref:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return Ref(f"{self._path}.{name}")
+
+    def __getitem__(self, key: str | int) -> Ref:
+        return Ref(f"{self._path}.{key}")
+
+    def __str__(self) -> str:
+        return "{{ " + self._path + " }}"
+
+    def __repr__(self) -> str:
+        return f"Ref({self._path!r})"
+
+
+def path_of(ref: Ref) -> str:
+    """The dotted path of a reference, e.g. 'intent.label'."""
+    return ref._path
+
+
+class ModelGroup:
+    """Declares a graph in Python; `spec()` validates it exactly as YAML is validated."""
+
+    def __init__(self, name: str, *, description: str | None = None, timeout: Any = None):
+        self._file, line = _caller()
+        self._source = SourceMap(self._file, {(): Location(line)}, _folder(self._file))
+        self._issues: list[ValidationIssue] = []
+        self._data: dict[str, Any] = _clean(
+            {"name": name, "description": description, "timeout": timeout}
+        )
+        for section in ("models", "inputs", "nodes", "outputs"):
+            self._data[section] = {}
+            self._source.locations[(section,)] = Location(line)
+
+    # ------------------------------------------------------------ graph parts
+
+    def add_model(
+        self, name: str, path: str | None = None, *, task: str, source: str | None = None, **options
+    ) -> str:
+        """Declare a model (`path` is its local folder); returns its name."""
+        self._put("models", name, _clean({"source": path or source, "task": task, **options}))
+        return name
+
+    def set_sharing_policy(self, memory: str = "shared", gpu: str = "shared") -> None:
+        """Whether models share the memory pool and the device (engine hints)."""
+        self._data["sharing"] = {"memory": memory, "gpu": gpu}
+        self._mark(("sharing",))
+
+    def input(
+        self,
+        name: str,
+        type: Any = str,
+        *,
+        default: Any = None,
+        optional: bool = False,
+        description: str | None = None,
+    ) -> Ref:
+        """Declare an input; returns a reference to it (`inputs.<name>`)."""
+        spec = {"type": _PYTHON_TYPES.get(type, type), "description": description}
+        if default is not None:
+            spec["default"] = default
+        elif optional:
+            spec["optional"] = True
+        self._put("inputs", name, _clean(spec))
+        return Ref(f"inputs.{name}")
+
+    def output(self, name: str, ref: Ref | str) -> None:
+        """Expose a reference (`intent.label`, `reply.text`) as an output."""
+        self._put("outputs", name, path_of(ref) if isinstance(ref, Ref) else ref)
+
+    # ------------------------------------------------------------ nodes
+
+    def classify(self, name: str, *, model: str, input: Ref | str, **common: Any) -> Ref:
+        """Sequence classification; result {label, score, scores, truncated}."""
+        return self._node(name, "classify", {"model": model, "input": _template(input)}, common)
+
+    def tag(self, name: str, *, model: str, input: Ref | str, **common: Any) -> Ref:
+        """Token classification; result {spans, truncated}."""
+        return self._node(name, "tag", {"model": model, "input": _template(input)}, common)
+
+    def embed(self, name: str, *, model: str, input: Ref | str, **common: Any) -> Ref:
+        """Embedding (options pooling="mean"|"cls", normalize); result {embedding, dim, truncated}."""
+        return self._node(name, "embed", {"model": model, "input": _template(input)}, common)
+
+    def generate(
+        self,
+        name: str,
+        *,
+        model: str,
+        prompt: Ref | str | None = None,
+        messages: Ref | str | Iterable[Mapping[str, Any]] | None = None,
+        when: Ref | str | None = None,
+        after: Iterable[Ref | str] = (),
+        optional: Iterable[Ref | str] = (),
+        timeout: Any = None,
+        on_error: str = "fail",
+        default: Any = None,
+        description: str | None = None,
+        **params: Any,
+    ) -> Ref:
+        """Causal LM from a prompt or chat messages; `params` are sampling parameters."""
+        fields = {
+            "model": model,
+            "prompt": None if prompt is None else _template(prompt),
+            "messages": _messages(messages),
+            "params": params or None,
+        }
+        common = {"when": when, "after": after, "optional": optional, "timeout": timeout}
+        common |= {"on_error": on_error, "default": default, "description": description}
+        return self._node(name, "generate", fields, common)
+
+    def python(
+        self,
+        name: str,
+        *,
+        function: str | Callable[..., Any],
+        args: Mapping[str, Any] | None = None,
+        **common: Any,
+    ) -> Ref:
+        """A user function ('module:function' or the function itself) called with `args`."""
+        fields = {"function": _function_name(function), "args": _template_values(args or {})}
+        return self._node(name, "python", fields, common)
+
+    def _node(self, name: str, kind: str, fields: dict, common: dict) -> Ref:
+        common = dict(common)
+        if isinstance(common.get("when"), Ref):
+            common["when"] = path_of(common["when"])
+        for key in ("after", "optional"):
+            names = common.get(key) or ()
+            names = [names] if isinstance(names, str | Ref) else names
+            common[key] = [_root(n) for n in names] or None
+        if common.get("on_error") == "fail":
+            common.pop("on_error")
+        self._put("nodes", name, _clean({"kind": kind, **fields, **common}))
+        return Ref(name)
+
+    # ------------------------------------------------------------ results
+
+    def spec(self) -> GraphSpec:
+        """The validated spec; GraphValidationError lists every issue with its DSL line."""
+        source = SourceMap(self._source.file, dict(self._source.locations), self._source.base_dir)
+        return parse_graph(copy.deepcopy(self._data), source, self._issues)
+
+    def to_yaml(self) -> str:
+        return self.spec().to_yaml()
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def _put(self, section: str, name: str, value: Any) -> None:
+        if name in self._data[section]:
+            first = self._source.locations[(section, name)]
+            file, line = _caller()
+            message = f"duplicate {section[:-1]} '{name}' (first at line {first.line})"
+            node = name if section == "nodes" else None
+            self._issues.append(ValidationIssue(file, line, node, message))
+            return
+        self._data[section][name] = value
+        self._mark((section, name))
+
+    def _mark(self, path: tuple) -> None:
+        file, line = _caller()
+        self._source.locations[path] = Location(line, None, None, False, file)
+
+
+def _caller() -> tuple[str, int]:
+    """The file and line of the first frame outside this module (the user's call)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return frame.f_code.co_filename, frame.f_lineno
+
+
+def _folder(file: str) -> Path | None:
+    path = Path(file)
+    return path.parent if path.is_file() else None
+
+
+def _clean(fields: dict) -> dict:
+    """Drop unset (None) options, so DSL data looks like the YAML a person would write."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _root(name: Ref | str) -> str:
+    return path_of(name).split(".")[0] if isinstance(name, Ref) else name
+
+
+def _template(value: Ref | str) -> Any:
+    return str(value) if isinstance(value, Ref) else value
+
+
+def _template_values(value: Any) -> Any:
+    if isinstance(value, Ref):
+        return str(value)
+    if isinstance(value, Mapping):
+        return {k: _template_values(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_template_values(v) for v in value]
+    return value
+
+
+def _messages(messages: Any) -> Any:
+    if messages is None or isinstance(messages, str | Ref):
+        return None if messages is None else _template(messages)
+    return [
+        {k: _template(v) for k, v in m.items()} if isinstance(m, Mapping) else m for m in messages
+    ]
+
+
+def _function_name(function: str | Callable[..., Any]) -> str:
+    if isinstance(function, str):
+        return function
+    module = getattr(function, "__module__", None) or "?"
+    return f"{module}:{getattr(function, '__qualname__', '?')}"
