@@ -123,9 +123,7 @@ class ModelRuntime:
             if model.task == "generate"
         ]
         sharing = specs[0].sharing if specs else None
-        policy = SharingPolicy(
-            memory="isolated" if sharing and sharing.memory == "dedicated" else "shared"
-        )
+        policy = SharingPolicy(memory=sharing.memory, gpu=sharing.gpu) if sharing else None
         return cls(config, reserve_for=llms, sharing=policy)
 
     def start(self) -> None:

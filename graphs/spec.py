@@ -365,7 +365,7 @@ def with_inferred_kinds(data: Any) -> Any:
 class SharingPolicy(_Spec):
     """Hints for the engine: share the memory pool / the device across models, or not."""
 
-    memory: Literal["shared", "dedicated"] = "shared"
+    memory: Literal["shared", "isolated"] = "shared"
     gpu: Literal["shared", "dedicated"] = "shared"
 
 

@@ -293,3 +293,54 @@ def test_many_concurrent_mixed_requests_never_mix_results():
             assert result.outputs["both"] == f"{word.upper()}+doc about {word}"
     finally:
         rt.shutdown()
+
+
+def test_dsl_and_yaml_forms_give_equal_results(model_dirs):
+    from trae_groups import ModelGroup, load_graph_text
+
+    group = ModelGroup("support")
+    group.add_model(
+        "intent", path=str(model_dirs["intent"]), task="classify", max_queue_delay_ms=20
+    )
+    group.add_model("ner", path=str(model_dirs["ner"]), task="tag", max_queue_delay_ms=20)
+    group.add_model("dialog", path=str(model_dirs["dialog"]), task="generate")
+    text = group.input("text", str)
+    intent = group.classify("intent", model="intent", input=text)
+    entities = group.tag("entities", model="ner", input=text)
+    reply = group.generate(
+        "reply",
+        model="dialog",
+        when="intent.label != 'nothing'",
+        prompt=(
+            f"Intent: {intent.label}. Entities: "
+            "{{ entities.spans | map(attribute='text') | join(', ') }}. "
+            f"User: {text}. Assistant:"
+        ),
+        params={"max_tokens": 6, "temperature": 0},
+    )
+    group.output("intent", intent.label)
+    group.output("entities", entities.spans)
+    group.output("reply", reply.text)
+    group.output("tokens", reply.tokens)
+    yaml_spec = load_graph_text(support_yaml(model_dirs), "support.yaml")
+    assert group.spec() == yaml_spec
+    try:
+        group.load(EngineConfig(pool_bytes=8 << 20, fast_linear=False))
+        from_dsl = [group.run({"text": t}).outputs for t in TEXTS[:3]]
+    finally:
+        group.close()
+    rt, executor = runtime_for(yaml_spec)
+    try:
+        from_yaml = [asyncio.run(executor.run({"text": t})).outputs for t in TEXTS[:3]]
+    finally:
+        rt.shutdown()
+    assert from_dsl == from_yaml
+
+
+def test_module_level_run_sync_and_async():
+    import trae_groups
+
+    spec = load_graph_text(PY_GRAPH, "g.yaml")
+    assert trae_groups.run(spec, {"text": "ab"}).outputs["upper"] == "AB"
+    result = asyncio.run(trae_groups.arun(spec, {"text": "cd"}, outputs=["both"]))
+    assert result.outputs == {"both": "CD+doc about cd"}

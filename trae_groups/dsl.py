@@ -137,7 +137,10 @@ class ModelGroup:
         description: str | None = None,
         **params: Any,
     ) -> Ref:
-        """Causal LM from a prompt or chat messages; `params` are sampling parameters."""
+        """Causal LM from a prompt or chat messages; sampling parameters as keywords
+        (``max_tokens=64``) or as one ``params={...}`` mapping, as in YAML."""
+        if isinstance(params.get("params"), Mapping):
+            params = {**params.pop("params"), **params}
         fields = {
             "model": model,
             "prompt": None if prompt is None else _template(prompt),
@@ -179,6 +182,29 @@ class ModelGroup:
         """The validated spec; GraphValidationError lists every issue with its DSL line."""
         source = SourceMap(self._source.file, dict(self._source.locations), self._source.base_dir)
         return parse_graph(copy.deepcopy(self._data), source, self._issues)
+
+    # ------------------------------------------------------------ running
+
+    def load(self, config: Any = None) -> Any:
+        """Load the models now (the first run does it otherwise); returns the LocalGraph."""
+        if getattr(self, "_local", None) is None:
+            from trae_groups.local import LocalGraph
+
+            self._local = LocalGraph(self.spec(), config)
+        return self._local
+
+    def run(self, inputs: dict, **kwargs: Any) -> Any:
+        """Run one request in this process; models load on the first call and stay."""
+        return self.load().run(inputs, **kwargs)
+
+    async def arun(self, inputs: dict, **kwargs: Any) -> Any:
+        return await self.load().arun(inputs, **kwargs)
+
+    def close(self) -> None:
+        """Free the models loaded by run()."""
+        if getattr(self, "_local", None) is not None:
+            self._local.close()
+            self._local = None
 
     def to_yaml(self) -> str:
         return self.spec().to_yaml()
