@@ -147,8 +147,15 @@ def test_local_function_fails_validation_not_the_call():
         group.spec()
 
 
-def test_nothing_runs_in_the_dsl():
-    assert not hasattr(ModelGroup, "run") and not hasattr(ModelGroup, "serve")
+def test_nothing_runs_until_the_graph_is_run(tmp_path):
+    group = ModelGroup("lazy")
+    group.add_model("m", path=str(tmp_path / "not-there"), task="classify")
+    text = group.input("text", str)
+    group.output("label", group.classify("c", model="m", input=text).label)
+    assert group.spec().models["m"].source.endswith("not-there")  # no folder is opened
+    assert getattr(group, "_local", None) is None
+    with pytest.raises(Exception, match="not-there"):
+        group.run({"text": "hi"})  # loading happens here, and fails for the missing folder
 
 
 def _line() -> int:
