@@ -155,6 +155,15 @@ def ours(executor, texts: list[str]) -> tuple[float, list[float]]:
 HOPS = 50
 
 
+async def _time_chain(executor, runs: int) -> list[float]:
+    per_hop = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        await executor.run({"x": "a"})
+        per_hop.append((time.perf_counter() - t) * 1000 / HOPS)
+    return per_hop
+
+
 def hop_overhead(runs: int) -> tuple[float, float]:
     """p50 ms per hop on a chain of trivial async python nodes (and sync ones)."""
     results = []
@@ -173,15 +182,7 @@ def hop_overhead(runs: int) -> tuple[float, float]:
         rt = ModelRuntime.for_specs([spec], EngineConfig(pool_bytes=1 << 20))
         executor = rt.bind(spec)
         rt.start()
-        per_hop = []
-
-        async def many() -> None:
-            for _ in range(runs):
-                t = time.perf_counter()
-                await executor.run({"x": "a"})
-                per_hop.append((time.perf_counter() - t) * 1000 / HOPS)
-
-        asyncio.run(many())
+        per_hop = asyncio.run(_time_chain(executor, runs))
         rt.shutdown()
         results.append(statistics.median(per_hop))
     return results[0], results[1]
