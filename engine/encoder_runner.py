@@ -1,0 +1,275 @@
+"""Run one batch of texts through an encoder: classify, tag or embed.
+
+A runner holds one or more *heads* (loaded models) on one backbone. With one head
+it simply calls the model. With several (a classifier and a tagger fine-tuned on one
+frozen backbone, loaded through one WeightStore so their backbone tensors are the
+same memory) it runs the backbone once per batch and feeds its output to every head
+through a *head view*: a shallow copy of the task model whose backbone slot returns
+the output already computed. Any transformers ``XFor...`` model that calls its
+``base_model`` once works this way, with no per-family head code.
+
+Texts are tokenized with truncation to the model's max positions (a longer text is
+cut and its result says ``truncated: true``) and padded to the longest in the batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from trae_groups.engine.errors import RequestError
+from trae_groups.engine.ner import aggregate
+from trae_groups.engine.weights import LoadedModel, tensor_slots
+
+ENCODER_TASKS = ("classify", "tag", "embed")
+
+
+def check_text(text: Any) -> str:
+    """Refuse what cannot be encoded before it reaches a batch."""
+    if not isinstance(text, str):
+        raise RequestError("text", f"must be a string, not {type(text).__name__}")
+    if not text.strip():
+        raise RequestError("text", "is empty")
+    return text
+
+
+_OPTIONS = {
+    "classify": {},
+    "tag": {},
+    "embed": {"pooling": ("mean", "cls"), "normalize": (True, False)},
+}
+
+
+def check_options(tasks: Sequence[str], options: Mapping[str, Any]) -> dict[str, Any]:
+    """Per-item options the given tasks accept (embed: pooling, normalize)."""
+    allowed: dict[str, tuple] = {}
+    for task in tasks:
+        allowed.update(_OPTIONS[task])
+    for name, value in options.items():
+        if name not in allowed:
+            raise RequestError(name, f"unknown option for {'/'.join(tasks)}")
+        if value not in allowed[name]:
+            raise RequestError(name, f"must be one of {allowed[name]}, not {value!r}")
+    return dict(options)
+
+
+@dataclass
+class Encoded:
+    """A tokenized, padded batch and what results need from tokenization."""
+
+    texts: list[str]
+    inputs: dict[str, torch.Tensor]
+    truncated: list[bool]
+    offsets: list[list[tuple[int, int]]] | None
+    word_ids: list[list[int | None]] | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.inputs["input_ids"].shape)  # type: ignore[return-value]
+
+
+def encode(loaded: LoadedModel, texts: Sequence[str]) -> Encoded:
+    tok = loaded.tokenizer
+    fast = bool(getattr(tok, "is_fast", False))
+    max_length = loaded.max_length
+    batch = tok(
+        list(texts),
+        padding="longest",
+        truncation=True,
+        max_length=max_length,
+        return_tensors="pt",
+        return_offsets_mapping=fast,
+    )
+    offsets = batch.pop("offset_mapping", None)
+    names = getattr(tok, "model_input_names", None) or list(batch.keys())
+    inputs = {k: v.to(loaded.device) for k, v in batch.items() if k in names}
+    if fast:
+        truncated = [bool(e.overflowing) for e in batch.encodings]
+        word_ids = [batch.word_ids(i) for i in range(len(texts))]
+        offsets_list = [[(int(a), int(b)) for a, b in row] for row in offsets.tolist()]
+    else:
+        truncated = [len(tok(t)["input_ids"]) > max_length for t in texts]
+        word_ids, offsets_list = None, None
+    return Encoded(list(texts), inputs, truncated, offsets_list, word_ids)
+
+
+class _Given(nn.Module):
+    """Stands in for a backbone whose output this batch already computed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.output: Any = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.output
+
+
+def _head_view(model: nn.Module) -> tuple[nn.Module, _Given]:
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix not in model._modules:
+        raise ValueError(f"{type(model).__name__} has no separable backbone {prefix!r}")
+    view = copy.copy(model)
+    view._modules = dict(model._modules)  # the original model is left untouched
+    given = _Given()
+    view._modules[prefix] = given
+    return view, given
+
+
+def _backbone(loaded: LoadedModel) -> nn.Module:
+    return loaded.model if loaded.task == "embed" else loaded.model.base_model
+
+
+def _ptrs(module: nn.Module) -> set[int]:
+    return {t.data_ptr() for _, _, _, t in tensor_slots(module)}
+
+
+class EncoderRunner:
+    """Batches of texts in, per-head outputs out. Engine thread only."""
+
+    def __init__(self, heads: LoadedModel | Mapping[str, LoadedModel]):
+        if isinstance(heads, LoadedModel):
+            heads = {heads.name: heads}
+        if not heads:
+            raise ValueError("an encoder runner needs at least one head")
+        for name, loaded in heads.items():
+            if loaded.task not in ENCODER_TASKS:
+                raise ValueError(f"head {name!r}: task {loaded.task!r} is not an encoder task")
+        self.heads = dict(heads)
+        self.default_head = next(iter(self.heads))
+        self.primary = max(self.heads.values(), key=lambda m: len(_ptrs(_backbone(m))))
+        self._views: dict[str, tuple[nn.Module, _Given]] = {}
+        if len(self.heads) > 1:
+            self._check_shared_backbone()
+            for name, loaded in self.heads.items():
+                if loaded.task != "embed":
+                    self._views[name] = _head_view(loaded.model)
+
+    def _check_shared_backbone(self) -> None:
+        mine = _ptrs(_backbone(self.primary))
+        vocab = self.primary.tokenizer.get_vocab()
+        for name, loaded in self.heads.items():
+            if not _ptrs(_backbone(loaded)) <= mine:
+                raise ValueError(
+                    f"head {name!r} does not share the backbone of {self.primary.name!r}: "
+                    "its backbone tensors must be byte-identical (load both through one "
+                    "WeightStore with memory='shared')"
+                )
+            if loaded.tokenizer.get_vocab() != vocab:
+                raise ValueError(f"head {name!r} uses another tokenizer than the backbone")
+
+    @property
+    def hidden_size(self) -> int:
+        return int(getattr(self.primary.config, "hidden_size", 768))
+
+    def encode(self, texts: Sequence[str]) -> Encoded:
+        return encode(self.primary, texts)
+
+    # -- forward -------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, encoded: Encoded, heads: Sequence[str] | None = None) -> dict[str, Any]:
+        """Raw per-head batch outputs: class probabilities [B, C], token
+        probabilities [B, T, C], or hidden states [B, T, H]."""
+        wanted = list(heads or [self.default_head])
+        if len(self.heads) == 1:
+            loaded = self.heads[wanted[0]]
+            return {wanted[0]: _from_output(loaded, loaded.model(**encoded.inputs))}
+        out = _backbone(self.primary)(**encoded.inputs)
+        results: dict[str, Any] = {}
+        for name in wanted:
+            loaded = self.heads[name]
+            if loaded.task == "embed":
+                results[name] = out.last_hidden_state.float()
+                continue
+            view, given = self._views[name]
+            given.output = out
+            try:
+                results[name] = _from_output(loaded, view(**encoded.inputs))
+            finally:
+                given.output = None
+        return results
+
+    # -- results -------------------------------------------------------------------
+    def result(
+        self, head: str, output: Any, encoded: Encoded, row: int, **options: Any
+    ) -> dict[str, Any]:
+        """One item's result from its head's batch output."""
+        loaded = self.heads[head]
+        truncated = encoded.truncated[row]
+        if loaded.task == "classify":
+            return {**classify_result(loaded, output[row]), "truncated": truncated}
+        if loaded.task == "tag":
+            return {"spans": tag_spans(loaded, output[row], encoded, row), "truncated": truncated}
+        mask = encoded.inputs["attention_mask"][row]
+        embed_options = {k: v for k, v in options.items() if k in _OPTIONS["embed"]}
+        return {**embed_result(output[row], mask, **embed_options), "truncated": truncated}
+
+    def tasks(self, heads: Sequence[str]) -> list[str]:
+        for head in heads:
+            if head not in self.heads:
+                raise RequestError("head", f"unknown head {head!r}; have {list(self.heads)}")
+        return [self.heads[h].task for h in heads]
+
+    def run(self, texts: Sequence[str], head: str | None = None, **options: Any) -> list[dict]:
+        """One batch, one head: validate, encode, forward, results (tests, tools)."""
+        head = head or self.default_head
+        check_options(self.tasks([head]), options)
+        texts = [check_text(t) for t in texts]
+        encoded = self.encode(texts)
+        output = self.forward(encoded, [head])[head]
+        return [self.result(head, output, encoded, i, **options) for i in range(len(texts))]
+
+
+def _from_output(loaded: LoadedModel, output: Any) -> torch.Tensor:
+    if loaded.task == "embed":
+        return output.last_hidden_state.float()
+    logits = output.logits.float()
+    if loaded.task == "classify" and _sigmoid(loaded.config):
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def _sigmoid(config: Any) -> bool:
+    """As transformers' text-classification pipeline: one label or multi-label."""
+    return config.problem_type == "multi_label_classification" or config.num_labels == 1
+
+
+def _label(config: Any, index: int) -> str:
+    return str(config.id2label.get(index, f"LABEL_{index}"))
+
+
+def classify_result(loaded: LoadedModel, probs: torch.Tensor) -> dict[str, Any]:
+    values = probs.tolist()
+    best = max(range(len(values)), key=values.__getitem__)
+    scores = {_label(loaded.config, i): p for i, p in enumerate(values)}
+    return {"label": _label(loaded.config, best), "score": values[best], "scores": scores}
+
+
+def tag_spans(loaded: LoadedModel, probs: torch.Tensor, encoded: Encoded, row: int) -> list[dict]:
+    if encoded.offsets is None:
+        raise RequestError("text", "tagging needs a fast tokenizer (character offsets)")
+    best, index = probs.max(dim=-1)
+    labels = [_label(loaded.config, i) for i in index.tolist()]
+    spans = aggregate(
+        labels, best.tolist(), encoded.offsets[row], encoded.texts[row], encoded.word_ids[row]
+    )
+    return [s.as_dict() for s in spans]
+
+
+def embed_result(
+    hidden: torch.Tensor, mask: torch.Tensor, *, pooling: str = "mean", normalize: bool = False
+) -> dict[str, Any]:
+    if pooling == "cls":
+        vector = hidden[0]
+    elif pooling == "mean":
+        weights = mask.to(hidden.dtype).unsqueeze(-1)
+        vector = (hidden * weights).sum(0) / weights.sum().clamp(min=1.0)
+    else:
+        raise RequestError("pooling", f"unknown pooling {pooling!r}; expected 'mean' or 'cls'")
+    if normalize:
+        vector = torch.nn.functional.normalize(vector, dim=0)
+    return {"vector": vector.tolist(), "dim": int(vector.numel())}

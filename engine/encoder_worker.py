@@ -1,0 +1,308 @@
+"""EncoderWorker: one encoder backbone (one or more heads) behind a dynamic batcher.
+
+Any thread calls ``submit`` and gets a ``concurrent.futures.Future``; the engine
+thread calls ``step``, which takes a batch (similar lengths, oldest first), holds
+pages of the unified memory pool for its working memory while it runs, and resolves
+every item's future with that item's own result. Items with the same text in one
+batch share one row, so a classify node and a tag node on one shared backbone run
+the backbone once for that text. A bad item fails only its own future.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trae_groups.engine.batcher import BatcherConfig, DynamicBatcher
+from trae_groups.engine.encoder_runner import (
+    Encoded,
+    EncoderRunner,
+    check_options,
+    check_text,
+)
+from trae_groups.engine.errors import EngineStopped, RequestAborted
+from trae_groups.engine.memory_pool import MemoryPool
+from trae_groups.engine.weights import LoadedModel
+from trae_groups.engine.worker import Priority, Urgency, Worker
+
+log = logging.getLogger("trae_groups.engine")
+_BLOCKED_RETRY_S = 0.002  # pool full: try again this much later (LLM steps free pages)
+
+
+@dataclass(eq=False)
+class EncoderItem:
+    text: str
+    heads: tuple[str, ...]
+    many: bool  # the caller asked for several heads: result is {head: result}
+    options: dict[str, Any]
+    request_id: str
+    priority: Priority
+    queued_at: float
+    length: int  # estimated tokens, for length bucketing
+    future: Future = field(default_factory=Future)
+
+
+def estimate_tokens(text: str, max_length: int) -> int:
+    """About four UTF-8 bytes per token plus specials; only used to bucket lengths."""
+    return min(max_length, len(text.encode()) // 4 + 2)
+
+
+class EncoderWorker(Worker):
+    def __init__(
+        self,
+        name: str,
+        model: LoadedModel | Mapping[str, LoadedModel],
+        *,
+        batcher: BatcherConfig | None = None,
+        pool: MemoryPool | None = None,
+        wake: Callable[[], None] | None = None,
+        activation_factor: int = 8,
+    ):
+        self.name = name
+        self.runner = EncoderRunner(model)
+        self.batcher: DynamicBatcher[EncoderItem] = DynamicBatcher(batcher or BatcherConfig())
+        self.pool = pool
+        self._wake = wake or (lambda: None)
+        self._factor = activation_factor
+        self._lock = threading.Lock()
+        self._inflight: list[EncoderItem] = []
+        self._blocked_until = 0.0
+        self._closed = False
+        self.batches = 0
+        self.items_done = 0
+        self.batch_sizes: Counter[int] = Counter()
+        self.padded_tokens = 0
+        self.real_tokens = 0
+        self.pool_shrinks = 0
+        self.peak_pages = 0
+
+    @property
+    def owner(self) -> str:
+        return f"encoder:{self.name}"
+
+    # -- any thread ------------------------------------------------------------------
+    def submit(
+        self,
+        text: str,
+        *,
+        head: str | Sequence[str] | None = None,
+        request_id: str = "",
+        priority: Priority | None = None,
+        **options: Any,
+    ) -> Future:
+        """Queue one text; the future resolves to the head's result (or, when
+        ``head`` is a sequence, to ``{head: result}``). Bad input raises
+        RequestError here, before any work."""
+        heads = (head,) if isinstance(head, str) or head is None else tuple(head)
+        heads = tuple(h or self.runner.default_head for h in heads)
+        check_options(self.runner.tasks(heads), options)
+        text = check_text(text)
+        item = EncoderItem(
+            text=text,
+            heads=heads,
+            many=not (isinstance(head, str) or head is None),
+            options=options,
+            request_id=request_id,
+            priority=priority or Priority(),
+            queued_at=time.monotonic(),
+            length=estimate_tokens(text, self.runner.primary.max_length),
+        )
+        with self._lock:
+            if self._closed:
+                raise EngineStopped(f"encoder worker {self.name!r} is closed")
+            self.batcher.add(item)
+        self._wake()
+        return item.future
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            gone = self.batcher.remove(lambda it: it.request_id == request_id)
+            gone += [it for it in self._inflight if it.request_id == request_id]
+        for item in gone:
+            _fail(item, RequestAborted(f"request {request_id!r} was aborted"))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            gone = self.batcher.remove(lambda it: True)
+        for item in gone:
+            _fail(item, EngineStopped(f"encoder worker {self.name!r} stopped"))
+
+    def stats(self) -> dict:
+        with self._lock:
+            queue = len(self.batcher)
+        return {
+            "name": self.name,
+            "batches": self.batches,
+            "items": self.items_done,
+            "batch_sizes": dict(sorted(self.batch_sizes.items())),
+            "queue": queue,
+            "padding_ratio": self.padded_tokens / self.real_tokens if self.real_tokens else 0.0,
+            "pool_shrinks": self.pool_shrinks,
+            "peak_pages": self.peak_pages,
+        }
+
+    # -- engine loop -----------------------------------------------------------------
+    def urgency(self, now: float) -> Urgency | None:
+        with self._lock:
+            if now < self._blocked_until or not self.batcher.ready(now):
+                return None
+            timeout = self.batcher.config.timeout
+            return max(
+                Urgency(now >= it.queued_at + timeout, it.priority.depth, -it.priority.arrival)
+                for it in self.batcher
+            )
+
+    def next_wakeup(self, now: float) -> float | None:
+        with self._lock:
+            if not len(self.batcher):
+                return None
+            deadline = self.batcher.next_deadline() or now
+            return max(deadline, self._blocked_until)
+
+    def step(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            items = [it for it in self.batcher.take(now) if not it.future.done()]
+            self._inflight = items  # abort() sees them from here on
+        if not items:
+            return
+        pages: list[int] = []
+        try:
+            items, encoded, pages = self._fit_in_pool(items)
+            if items:
+                self._run(items, encoded)
+        except Exception:  # tokenizing the batch failed: find the item that breaks
+            log.exception("%s: batch failed before running; running its items alone", self.name)
+            with self._lock:
+                mine = list(self._inflight)
+            for item in mine:
+                if item.future.running() or _mark_running(item):
+                    self._run_alone(item)
+        finally:
+            if pages:
+                self.pool.release(pages)
+            with self._lock:
+                self._inflight = []
+
+    # -- step, one job each ----------------------------------------------------------
+    def _rows(self, items: list[EncoderItem]) -> tuple[list[str], list[int]]:
+        """Unique texts of the batch and, per item, its row."""
+        rows: dict[str, int] = {}
+        for it in items:
+            rows.setdefault(it.text, len(rows))
+        return list(rows), [rows[it.text] for it in items]
+
+    def _pages_for(self, encoded: Encoded) -> int:
+        batch, seq = encoded.shape
+        config = self.runner.primary.config
+        heads = int(getattr(config, "num_attention_heads", 1))
+        itemsize = torch.empty((), dtype=self.runner.primary.dtype).element_size()
+        per_batch = batch * seq * (self.runner.hidden_size * self._factor + heads * seq)
+        return math.ceil(per_batch * itemsize / self.pool.page_bytes)
+
+    def _fit_in_pool(
+        self, items: list[EncoderItem]
+    ) -> tuple[list[EncoderItem], Encoded | None, list[int]]:
+        """Encode the batch and hold pool pages for it, halving the batch while the
+        pool has no room; no room even for one item defers the batch a moment."""
+        while True:
+            texts, _ = self._rows(items)
+            encoded = self.runner.encode(texts)
+            if self.pool is None:
+                return self._start(items), encoded, []
+            need = self._pages_for(encoded)
+            pages = self.pool.allocate(self.owner, need)
+            if pages is not None:
+                self.peak_pages = max(self.peak_pages, len(pages))
+                return self._start(items), encoded, pages
+            if need > self.pool.num_pages and len(items) == 1:
+                log.warning(
+                    "%s: one item needs %d pages > pool; running unaccounted", self.name, need
+                )
+                return self._start(items), encoded, []
+            keep = len(items) // 2
+            with self._lock:
+                self.batcher.put_back(items[keep:] if keep else items)
+                self._inflight = items[:keep]
+                if not keep:
+                    self._blocked_until = time.monotonic() + _BLOCKED_RETRY_S
+            if not keep:
+                return [], None, []
+            self.pool_shrinks += 1
+            items = items[:keep]
+
+    def _start(self, items: list[EncoderItem]) -> list[EncoderItem]:
+        return [it for it in items if _mark_running(it)]
+
+    def _run(self, items: list[EncoderItem], encoded: Encoded) -> None:
+        texts, rows = self._rows(items)
+        if len(texts) != len(encoded.texts):  # some items were cancelled meanwhile
+            encoded = self.runner.encode(texts)
+        heads = sorted({h for it in items for h in it.heads})
+        try:
+            outputs = self.runner.forward(encoded, heads)
+        except Exception:
+            log.exception(
+                "%s: batch of %d failed; running its items one by one", self.name, len(items)
+            )
+            for item in items:
+                self._run_alone(item)
+            self._count(items, encoded)
+            return
+        for item, row in zip(items, rows, strict=True):
+            self._resolve(item, lambda it=item, r=row: self._results(it, outputs, encoded, r))
+        self._count(items, encoded)
+
+    def _run_alone(self, item: EncoderItem) -> None:
+        def work() -> Any:
+            encoded = self.runner.encode([item.text])
+            return self._results(item, self.runner.forward(encoded, list(item.heads)), encoded, 0)
+
+        self._resolve(item, work)
+
+    def _results(self, item: EncoderItem, outputs: dict, encoded: Encoded, row: int) -> Any:
+        results = {
+            h: self.runner.result(h, outputs[h], encoded, row, **item.options) for h in item.heads
+        }
+        return results if item.many else results[item.heads[0]]
+
+    def _resolve(self, item: EncoderItem, work: Callable[[], Any]) -> None:
+        try:
+            value = work()
+        except Exception as exc:
+            _fail(item, exc)
+            return
+        with contextlib.suppress(InvalidStateError):  # aborted while it ran
+            item.future.set_result(value)
+
+    def _count(self, items: list[EncoderItem], encoded: Encoded) -> None:
+        batch, seq = encoded.shape
+        self.batches += 1
+        self.items_done += len(items)
+        self.batch_sizes[len(items)] += 1
+        self.padded_tokens += batch * seq
+        self.real_tokens += int(encoded.inputs["attention_mask"].sum())
+
+
+def _mark_running(item: EncoderItem) -> bool:
+    """False when the caller cancelled it or abort() failed it meanwhile."""
+    try:
+        return item.future.set_running_or_notify_cancel()
+    except RuntimeError:  # already finished (aborted)
+        return False
+
+
+def _fail(item: EncoderItem, exc: BaseException) -> None:
+    with contextlib.suppress(InvalidStateError):  # already resolved, failed or cancelled
+        item.future.set_exception(exc)
