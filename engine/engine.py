@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig
 
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.errors import EngineStopped, ModelLoadError, RequestError
@@ -25,6 +25,7 @@ from trae_groups.engine.loop import EngineLoop
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.sequence import RequestOutput
+from trae_groups.engine.weights import WeightStore
 from trae_groups.engine.worker import Priority, Worker
 from trae_groups.kernels import select_backend
 
@@ -49,19 +50,12 @@ def read_config(path: str):
         raise ModelLoadError(path, f"config.json cannot be read: {exc}") from exc
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, device: str):
-    """The model class transformers picks for the folder, with our paged attention."""
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, attn_implementation=ATTN_NAME, dtype=dtype
-        )
-    except Exception as exc:
-        raise ModelLoadError(path, f"cannot load as a causal LM: {exc}") from exc
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception:
-        tokenizer = None  # token ids in, token ids out
-    return model.to(device).eval(), tokenizer
+def load_causal_lm(store: WeightStore, path: str, dtype: torch.dtype, device: str):
+    """The model class transformers picks for the folder, with our paged attention,
+    through the weight store (memory-mapped, byte-identical tensors held once)."""
+    read_config(path)
+    loaded = store.load(path, "generate", dtype=dtype, device=device, attn_implementation=ATTN_NAME)
+    return loaded.model, loaded.tokenizer
 
 
 class LLMEngine:
@@ -69,8 +63,10 @@ class LLMEngine:
         self,
         models: Mapping[str, str | Path] | Sequence[str | Path] = (),
         config: EngineConfig | None = None,
+        store: WeightStore | None = None,
     ):
         self.config = config or EngineConfig()
+        self.store = store or WeightStore()
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
         self.loop = EngineLoop(policy=self.config.scheduling)
@@ -103,9 +99,11 @@ class LLMEngine:
         self, name: str, path: str | Path, model=None, tokenizer=None, cache_key=None
     ) -> LLMWorker:
         """Load a causal LM (or take one already loaded with our attention) onto the engine."""
+        if name in self.loop.workers:
+            raise ValueError(f"a model named {name!r} is already on this engine")
         if model is None:
             model, tokenizer = load_causal_lm(
-                str(path), self.config.torch_dtype, self.config.device
+                self.store, str(path), self.config.torch_dtype, self.config.device
             )
         if self.config.fast_linear and self.config.device == "cpu":
             from trae_groups.engine.fast_linear import fast_linear_available, pack_linears
@@ -124,6 +122,12 @@ class LLMEngine:
         )
         self.llms[name] = worker
         self.loop.add_worker(worker)
+        return worker
+
+    def remove_worker(self, name: str) -> Worker:
+        """Take a model off the engine: its pending requests fail, its pages return."""
+        worker = self.loop.remove_worker(name)
+        self.llms.pop(name, None)
         return worker
 
     def add_worker(self, worker: Worker) -> None:

@@ -14,6 +14,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
 
 from trae_groups.engine.worker import Urgency, Worker
 
@@ -31,6 +35,8 @@ class EngineLoop:
         self._name = name
         self.steps = 0
         self.last_error: BaseException | None = None
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self.busy_seconds = 0.0  # time spent stepping workers: the device-utilisation metric
 
     # -- workers -------------------------------------------------------------
     def add_worker(self, worker: Worker) -> None:
@@ -41,8 +47,33 @@ class EngineLoop:
         self.wake()
 
     def remove_worker(self, name: str) -> Worker:
-        with self._wake:
-            return self._workers.pop(name)
+        """Unhook a worker and close it between two steps (never during one)."""
+
+        def unhook() -> Worker:
+            with self._wake:
+                worker = self._workers.pop(name)
+            worker.close()
+            return worker
+
+        return self.call(unhook)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between steps and wait for its result;
+        directly when the loop is not running."""
+        if not self.running or threading.current_thread() is self._thread:
+            return fn()
+        future: Future = Future()
+        self._calls.append((fn, future))
+        self.wake()
+        return future.result()
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            fn, future = self._calls.popleft()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:
+                future.set_exception(exc)
 
     @property
     def workers(self) -> dict[str, Worker]:
@@ -67,6 +98,7 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self._run_calls()
         for worker in list(self._workers.values()):
             worker.close()
 
@@ -93,10 +125,13 @@ class EngineLoop:
 
     def run_once(self) -> bool:
         """Step the most urgent worker; False when none had runnable work."""
+        self._run_calls()
         worker = self.pick(time.monotonic())
         if worker is None:
             return False
+        started = time.perf_counter()
         worker.step()
+        self.busy_seconds += time.perf_counter() - started
         self.steps += 1
         return True
 

@@ -24,6 +24,7 @@ from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.worker import Priority
 from trae_groups.graphs.compile import CompiledGraph
 from trae_groups.graphs.errors import GraphError, GraphTimeout, NodeError
+from trae_groups.graphs.routing import VersionedModel
 from trae_groups.graphs.spec import GenerateNode, PythonNode
 from trae_groups.graphs.templates import evaluate_condition, render_template
 
@@ -76,6 +77,7 @@ class RunResult:
     outputs: dict[str, Any]
     nodes: dict[str, NodeRecord]
     ms: float
+    versions: dict[str, str] = field(default_factory=dict)  # model → version this request used
 
 
 @dataclass
@@ -100,6 +102,10 @@ class _Request:
         self.records: dict[str, NodeRecord] = {}
         self.done: dict[str, anyio.Event] = {}
         self.skipped: set[str] = set()
+        self.versions: dict[str, str] = {}
+        self.clients: dict[
+            str, ModelClient
+        ] = {}  # fixed at the start: a version removed later still serves it
         self.emit: EventSink = on_event or (lambda event: None)
 
     def priority(self, node: str) -> Priority:
@@ -110,13 +116,21 @@ class GraphExecutor:
     def __init__(
         self,
         graph: CompiledGraph,
-        clients: Mapping[str, ModelClient],
+        models: Mapping[str, VersionedModel | ModelClient],
         functions: Mapping[str, Callable[..., Any]] | None = None,
     ):
         self.graph = graph
-        self.clients = dict(clients)
+        self.models = {
+            name: m if isinstance(m, VersionedModel) else VersionedModel.single(name, m)
+            for name, m in models.items()
+        }
         self.functions = dict(functions or {})
         self.input_model = graph.spec.input_model()
+
+    @property
+    def clients(self) -> dict[str, ModelClient]:
+        """Each model's client of its first version."""
+        return {name: next(iter(m.clients.values())) for name, m in self.models.items()}
 
     # -- the request path ------------------------------------------------------
     def validate_inputs(self, inputs: Any) -> dict:
@@ -150,6 +164,12 @@ class GraphExecutor:
             request_id or f"{spec.name}-{next(_request_ids)}",
             on_event,
         )
+        request.versions = {
+            name: m.choose(request.context["inputs"]) for name, m in self.models.items()
+        }
+        request.clients = {
+            name: self.models[name].clients[v] for name, v in request.versions.items()
+        }
         needed = [n for n in self.graph.order if n in self.graph.needed_for(outputs)]
         request.done = {name: anyio.Event() for name in needed}
         request.records = {name: NodeRecord() for name in needed}
@@ -171,6 +191,7 @@ class GraphExecutor:
             self.graph.outputs(request.context, outputs),
             request.records,
             round((time.perf_counter() - start) * 1000, 3),
+            versions={m: v for m, v in request.versions.items() if len(self.models[m].clients) > 1},
         )
         request.emit(Event("result", {"outputs": result.outputs}))
         return result
@@ -256,7 +277,7 @@ class GraphExecutor:
             if inspect.iscoroutinefunction(function):
                 return await function(**args)
             return await anyio.to_thread.run_sync(lambda: function(**args))
-        client = self.clients[node.model]
+        client = request.clients[node.model]
         priority = request.priority(name)
         if isinstance(node, GenerateNode):
             return await self._generate(request, name, node, client, priority)
@@ -304,7 +325,7 @@ class GraphExecutor:
         """Free engine work of nodes that did not finish (cancelled, failed)."""
         if all(r.status in ("ok", "skipped", "default") for r in request.records.values()):
             return
-        for client in self.clients.values():
+        for client in request.clients.values():
             client.abort(request.request_id)
 
     # -- streaming ------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Binds graphs to one engine: loads each model once and gives the executor a client
-per model.
+per model version.
 
-Models are keyed by (folder, task): two graphs — or two model entries — naming the
-same folder share one worker, one instance and one batcher. Encoder heads whose
-backbone tensors are byte-identical (the weight store dedupes them) join one worker,
-so a classify head and a tag head over one backbone run it once per text.
+Models are keyed by (folder, task, dtype): two graphs — or two model entries —
+naming the same folder share one worker, one instance and one batcher, counted by
+reference so that unloading one user leaves the others serving. Versions are loaded
+like any model; the weight store holds their byte-identical tensors once.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from trae_groups.engine.batcher import BatcherConfig
 from trae_groups.engine.config import DTYPES, EngineConfig
@@ -29,6 +27,7 @@ from trae_groups.engine.weights import SharingPolicy, WeightStore
 from trae_groups.engine.worker import Priority
 from trae_groups.graphs.compile import CompiledGraph, compile_graph, resolve_functions
 from trae_groups.graphs.executor import GraphExecutor
+from trae_groups.graphs.routing import RouteError, VersionedModel, check_split
 from trae_groups.graphs.spec import GraphSpec, ModelSpec
 
 log = logging.getLogger("trae_groups.graphs")
@@ -85,7 +84,8 @@ class LLMClient:
 class _Loaded:
     client: EncoderClient | LLMClient
     worker: Any
-    key: tuple
+    path: str
+    users: int = 1
 
 
 class ModelRuntime:
@@ -99,10 +99,10 @@ class ModelRuntime:
         sharing: SharingPolicy | None = None,
     ):
         self.config = config or EngineConfig()
-        layouts_of = [str(p) for p in reserve_for]
         self.store = WeightStore(policy=sharing or SharingPolicy())
-        self.engine = LLMEngine((), self._sized(layouts_of))
+        self.engine = LLMEngine((), self._sized([str(p) for p in reserve_for]), store=self.store)
         self._by_key: dict[tuple, _Loaded] = {}
+        self.graphs: dict[str, GraphExecutor] = {}
 
     def _sized(self, llm_paths: list[str]) -> EngineConfig:
         """Pages sized for the largest LLM that will be served."""
@@ -117,10 +117,11 @@ class ModelRuntime:
     @classmethod
     def for_specs(cls, specs: list[GraphSpec], config: EngineConfig | None = None) -> ModelRuntime:
         llms = [
-            spec.model_path(name)
+            spec.model_path(name, version)
             for spec in specs
             for name, model in spec.models.items()
             if model.task == "generate"
+            for version in model.sources
         ]
         sharing = specs[0].sharing if specs else None
         policy = SharingPolicy(memory=sharing.memory, gpu=sharing.gpu) if sharing else None
@@ -132,46 +133,105 @@ class ModelRuntime:
     def shutdown(self) -> None:
         self.engine.shutdown()
 
-    # -- models -----------------------------------------------------------------
-    def client(self, name: str, spec: ModelSpec, path: Path) -> EncoderClient | LLMClient:
+    # -- graphs ----------------------------------------------------------------------
+    def bind(self, spec: GraphSpec | CompiledGraph) -> GraphExecutor:
+        """An executor for the graph, its models loaded (once) onto this runtime."""
+        graph = spec if isinstance(spec, CompiledGraph) else compile_graph(spec)
+        functions = resolve_functions(graph.spec)
+        models = {}
+        for name, model in graph.spec.models.items():
+            clients = {
+                version: self._acquire(name, version, model, graph.spec.model_path(name, version))
+                for version in model.sources
+            }
+            models[name] = VersionedModel(name, clients, model.weights, model.sticky)
+        executor = GraphExecutor(graph, models, functions)
+        self.graphs[graph.spec.name] = executor
+        return executor
+
+    def release(self, executor: GraphExecutor) -> None:
+        """A graph no longer served (replaced by a reload, or removed): drop its models'
+        references; models nobody else uses are unloaded."""
+        for model in executor.models.values():
+            for client in model.clients.values():
+                self._release(client)
+
+    # -- versions ----------------------------------------------------------------------
+    def versioned(self, graph: str, model: str) -> VersionedModel:
+        if graph not in self.graphs:
+            raise KeyError(f"no graph named {graph!r}")
+        executor = self.graphs[graph]
+        if model not in executor.models:
+            raise KeyError(
+                f"graph {graph!r} has no model {model!r}; it has {sorted(executor.models)}"
+            )
+        return executor.models[model]
+
+    def add_version(self, graph: str, model: str, version: str, path: str | Path) -> None:
+        """Load a new version (0% of traffic until a route gives it some)."""
+        versioned = self.versioned(graph, model)
+        if version in versioned.clients:
+            raise RouteError(f"model {model!r} already has a version {version!r}")
+        spec = self.graphs[graph].graph.spec.models[model]
+        versioned.add(version, self._acquire(model, version, spec, Path(path)))
+
+    def set_route(self, graph: str, model: str, weights: dict[str, float]) -> dict[str, float]:
+        versioned = self.versioned(graph, model)
+        versioned.router.set_weights(check_split(weights, list(versioned.clients)))
+        return versioned.router.weights
+
+    def remove_version(self, graph: str, model: str, version: str) -> None:
+        """Unload a version no route uses; its memory is freed once nobody holds it."""
+        versioned = self.versioned(graph, model)
+        if version not in versioned.clients:
+            raise RouteError(f"model {model!r} has no version {version!r}")
+        if len(versioned.clients) == 1:
+            raise RouteError(f"{version!r} is the only version of {model!r}")
+        self._release(versioned.remove(version))
+
+    # -- models ------------------------------------------------------------------------
+    def _acquire(
+        self, name: str, version: str, spec: ModelSpec, path: Path
+    ) -> EncoderClient | LLMClient:
         dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
         key = (str(Path(path).resolve()), spec.task, dtype)
         if key in self._by_key:
+            self._by_key[key].users += 1
             return self._by_key[key].client
+        worker_name = self._free_name(name if version == "default" else f"{name}@{version}")
         if spec.task == "generate":
-            loaded = self.store.load(
-                path,
-                "generate",
-                dtype=dtype,
-                device=self.config.device,
-                name=name,
-                attn_implementation=ATTN_NAME,
-            )
-            worker_name = self._free_name(name)
+            loaded = self.store.load(path, "generate", dtype=dtype, device=self.config.device,
+                                     name=worker_name, attn_implementation=ATTN_NAME)  # fmt: skip
             worker = self.engine.add_llm(
                 worker_name, path, model=loaded.model, tokenizer=loaded.tokenizer
             )
-            entry = _Loaded(LLMClient(self.engine, worker), worker, key)
+            client: EncoderClient | LLMClient = LLMClient(self.engine, worker)
         else:
             loaded = self.store.load(
-                path, spec.task, dtype=dtype, device=self.config.device, name=name
+                path, spec.task, dtype=dtype, device=self.config.device, name=worker_name
             )
+            batch = spec.max_batch_size or 32
             batcher = BatcherConfig(
-                max_batch_size=spec.max_batch_size or 32,
+                max_batch_size=batch,
                 timeout_ms=spec.max_queue_delay_ms if spec.max_queue_delay_ms is not None else 5.0,
-                preferred_batch_size=min(16, spec.max_batch_size or 32),
+                preferred_batch_size=min(16, batch),
             )
-            worker = EncoderWorker(
-                self._free_name(name),
-                {name: loaded},
-                batcher=batcher,
-                pool=self.engine.pool,
-                wake=self.engine.loop.wake,
-            )
+            worker = EncoderWorker(worker_name, {worker_name: loaded}, batcher=batcher,
+                                   pool=self.engine.pool, wake=self.engine.loop.wake)  # fmt: skip
             self.engine.add_worker(worker)
-            entry = _Loaded(EncoderClient(worker, name), worker, key)
-        self._by_key[key] = entry
-        return entry.client
+            client = EncoderClient(worker, worker_name)
+        self._by_key[key] = _Loaded(client, worker, str(path))
+        return client
+
+    def _release(self, client: Any) -> None:
+        for key, entry in list(self._by_key.items()):
+            if entry.client is client:
+                entry.users -= 1
+                if entry.users == 0:
+                    del self._by_key[key]
+                    self.engine.remove_worker(entry.worker.name)
+                    self.store.unload(entry.path)
+                return
 
     def _free_name(self, name: str) -> str:
         taken = set(self.engine.loop.workers)
@@ -182,19 +242,5 @@ class ModelRuntime:
             n += 1
         return f"{name}-{n}"
 
-    def bind(self, spec: GraphSpec | CompiledGraph) -> GraphExecutor:
-        """An executor for the graph, its models loaded (once) onto this runtime."""
-        graph = spec if isinstance(spec, CompiledGraph) else compile_graph(spec)
-        functions = resolve_functions(graph.spec)
-        clients = {
-            name: self.client(name, model, graph.spec.model_path(name))
-            for name, model in graph.spec.models.items()
-        }
-        return GraphExecutor(graph, clients, functions)
-
     def stats(self) -> dict:
         return self.engine.stats()
-
-
-def default_engine_config() -> EngineConfig:
-    return EngineConfig(num_threads=torch.get_num_threads())

@@ -136,13 +136,54 @@ class _Spec(BaseModel):
 
 
 class ModelSpec(_Spec):
-    """A model the graph uses: where its weights are and what it can do."""
+    """A model the graph uses: where its weights are and what it can do.
 
-    source: str = Field(min_length=1)
+    Either one ``source`` folder, or ``versions`` (name → folder) with a ``route``
+    (version → percent, summing to 100; default: all traffic to the first version)
+    and an optional ``sticky`` input whose value pins a user to one version.
+    """
+
+    source: str | None = Field(None, min_length=1)
+    versions: dict[Slug, Annotated[str, Field(min_length=1)]] | None = None
+    route: dict[Slug, Annotated[float, Field(ge=0, le=100)]] | None = None
+    sticky: str | None = None
     task: Task
     max_batch_size: int | None = Field(None, gt=0)
     max_queue_delay_ms: float | None = Field(None, ge=0)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if (self.source is None) == (self.versions is None):
+            raise ValueError("a model needs exactly one of 'source' or 'versions'")
+        if self.versions is not None and not self.versions:
+            raise ValueError("'versions' needs at least one version")
+        if self.route is not None:
+            if self.versions is None:
+                raise ValueError("'route' needs 'versions'")
+            unknown = sorted(set(self.route) - set(self.versions))
+            if unknown:
+                raise ValueError(
+                    f"route names unknown version(s) {unknown}; versions: {sorted(self.versions)}"
+                )
+            if abs(sum(self.route.values()) - 100) > 1e-6:
+                raise ValueError(f"route weights must sum to 100, not {sum(self.route.values()):g}")
+        if self.sticky is not None and self.versions is None:
+            raise ValueError("'sticky' needs 'versions'")
+        return self
+
+    @property
+    def sources(self) -> dict[str, str]:
+        """Version name → folder; an unversioned model has one version, "default"."""
+        return dict(self.versions) if self.versions is not None else {"default": self.source}
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """The route as version → percent, every version listed."""
+        if self.route is not None:
+            return {v: float(self.route.get(v, 0.0)) for v in self.sources}
+        first = next(iter(self.sources))
+        return {v: (100.0 if v == first else 0.0) for v in self.sources}
 
 
 class ChatTurn(TypedDict):
@@ -405,9 +446,11 @@ class GraphSpec(_Spec):
         self._source = source
         return self
 
-    def model_path(self, name: str) -> Path:
-        """A model's source folder; relative paths count from the declaring file's folder."""
-        path = Path(self.models[name].source).expanduser()
+    def model_path(self, name: str, version: str | None = None) -> Path:
+        """A model's folder (of ``version``, default its first); relative paths count
+        from the declaring file's folder."""
+        sources = self.models[name].sources
+        path = Path(sources[version or next(iter(sources))]).expanduser()
         base = self._source.base_dir if self._source else None
         return path if path.is_absolute() or base is None else base / path
 

@@ -145,7 +145,7 @@ def test_abort_mid_generation_frees_every_page(llama_dir):
             return seen
 
         assert asyncio.run(go()) >= 3
-        for _ in range(200):
+        for _ in range(3000):  # up to 30 s: a loaded machine steps slowly
             if eng.pool.stats().used_pages == start and not eng.llms["m"].scheduler.has_work():
                 break
             asyncio.run(asyncio.sleep(0.01))
