@@ -138,10 +138,17 @@ class ModelRuntime:
         """An executor for the graph, its models loaded (once) onto this runtime."""
         graph = spec if isinstance(spec, CompiledGraph) else compile_graph(spec)
         functions = resolve_functions(graph.spec)
+        wanted = [
+            (name, version, model, graph.spec.model_path(name, version))
+            for name, model in graph.spec.models.items()
+            for version in model.sources
+        ]
+        shared = self._load_encoders([w for w in wanted if w[2].task != "generate"])
         models = {}
         for name, model in graph.spec.models.items():
             clients = {
-                version: self._acquire(name, version, model, graph.spec.model_path(name, version))
+                version: shared.get((name, version))
+                or self._acquire(name, version, model, graph.spec.model_path(name, version))
                 for version in model.sources
             }
             models[name] = VersionedModel(name, clients, model.weights, model.sticky)
@@ -198,30 +205,58 @@ class ModelRuntime:
         if key in self._by_key:
             self._by_key[key].users += 1
             return self._by_key[key].client
+        if spec.task != "generate":
+            return self._load_encoders([(name, version, spec, path)])[(name, version)]
         worker_name = self._free_name(name if version == "default" else f"{name}@{version}")
-        if spec.task == "generate":
-            loaded = self.store.load(path, "generate", dtype=dtype, device=self.config.device,
-                                     name=worker_name, attn_implementation=ATTN_NAME)  # fmt: skip
-            worker = self.engine.add_llm(
-                worker_name, path, model=loaded.model, tokenizer=loaded.tokenizer
-            )
-            client: EncoderClient | LLMClient = LLMClient(self.engine, worker)
-        else:
-            loaded = self.store.load(
-                path, spec.task, dtype=dtype, device=self.config.device, name=worker_name
-            )
-            batch = spec.max_batch_size or 32
-            batcher = BatcherConfig(
-                max_batch_size=batch,
-                timeout_ms=spec.max_queue_delay_ms if spec.max_queue_delay_ms is not None else 5.0,
-                preferred_batch_size=min(16, batch),
-            )
-            worker = EncoderWorker(worker_name, {worker_name: loaded}, batcher=batcher,
-                                   pool=self.engine.pool, wake=self.engine.loop.wake)  # fmt: skip
-            self.engine.add_worker(worker)
-            client = EncoderClient(worker, worker_name)
+        loaded = self.store.load(path, "generate", dtype=dtype, device=self.config.device,
+                                 name=worker_name, attn_implementation=ATTN_NAME)  # fmt: skip
+        worker = self.engine.add_llm(
+            worker_name, path, model=loaded.model, tokenizer=loaded.tokenizer
+        )
+        client = LLMClient(self.engine, worker)
         self._by_key[key] = _Loaded(client, worker, str(path))
         return client
+
+    def _load_encoders(self, wanted: list) -> dict[tuple[str, str], EncoderClient]:
+        """Load encoders new to this runtime, one worker per backbone: heads whose
+        backbones hold the very same tensors (the weight store dedupes them) share a
+        worker, so for a text that several heads need the backbone runs once."""
+        groups: list[tuple[set[int], list]] = []  # backbone tensor pointers, members
+        for name, version, spec, path in wanted:
+            dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
+            if (str(Path(path).resolve()), spec.task, dtype) in self._by_key:
+                continue  # already served: _acquire shares it
+            head = self._free_name(name if version == "default" else f"{name}@{version}")
+            loaded = self.store.load(
+                path, spec.task, dtype=dtype, device=self.config.device, name=head
+            )
+            backbone = loaded.model if spec.task == "embed" else loaded.model.base_model
+            ptrs = {p.data_ptr() for p in backbone.parameters()}
+            member = (name, version, spec, path, dtype, head, loaded)
+            # one backbone may carry a pooler that another head's copy leaves out
+            vocab = loaded.tokenizer.get_vocab()
+            group = next(
+                (g for g in groups
+                 if (ptrs <= g[0] or g[0] <= ptrs) and g[1][0][-1].tokenizer.get_vocab() == vocab),
+                None,
+            )  # fmt: skip
+            if group is None:
+                groups.append((ptrs, [member]))
+            else:
+                group[0].update(ptrs)
+                group[1].append(member)
+        clients = {}
+        for _, members in groups:
+            heads = {head: loaded for *_, head, loaded in members}
+            worker = EncoderWorker("+".join(heads), heads, batcher=_batcher(members[0][2]),
+                                   pool=self.engine.pool, wake=self.engine.loop.wake)  # fmt: skip
+            self.engine.add_worker(worker)
+            for name, version, spec, path, dtype, head, _loaded in members:
+                client = EncoderClient(worker, head)
+                key = (str(Path(path).resolve()), spec.task, dtype)
+                self._by_key[key] = _Loaded(client, worker, str(path))
+                clients[(name, version)] = client
+        return clients
 
     def _release(self, client: Any) -> None:
         for key, entry in list(self._by_key.items()):
@@ -229,7 +264,8 @@ class ModelRuntime:
                 entry.users -= 1
                 if entry.users == 0:
                     del self._by_key[key]
-                    self.engine.remove_worker(entry.worker.name)
+                    if not any(e.worker is entry.worker for e in self._by_key.values()):
+                        self.engine.remove_worker(entry.worker.name)
                     self.store.unload(entry.path)
                 return
 
@@ -244,3 +280,12 @@ class ModelRuntime:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+def _batcher(spec: ModelSpec) -> BatcherConfig:
+    batch = spec.max_batch_size or 32
+    return BatcherConfig(
+        max_batch_size=batch,
+        timeout_ms=spec.max_queue_delay_ms if spec.max_queue_delay_ms is not None else 5.0,
+        preferred_batch_size=min(16, batch),
+    )

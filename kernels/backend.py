@@ -28,7 +28,9 @@ def _torch_backend() -> AttentionBackend:
 _BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], AttentionBackend]]] = {
     "torch": (lambda device: True, _torch_backend),
 }
-_PREFERENCE = ["flash_attn", "triton", "torch"]
+# flash-attn's paged kernels need 256-token pages (the engine's default is 16), so it
+# is opt-in: EngineConfig(attention_backend="flash_attn", tokens_per_page=256).
+_PREFERENCE = ["triton", "torch"]
 
 
 def register_backend(
@@ -59,3 +61,31 @@ def select_backend(device: str | torch.device, prefer: str | None = None) -> Att
             log.info("attention backend: %s on %s", backend.name, device)
             return backend
     return _torch_backend()
+
+
+def _register_gpu_backends() -> None:
+    """Triton and flash-attn, each only if its module imports; a missing or broken package
+    leaves the torch reference (the modules guard their own imports too)."""
+    try:
+        from trae_groups.kernels import triton_attention as tri
+
+        register_backend(
+            "triton",
+            tri.available,
+            lambda: AttentionBackend("triton", tri.store_kv, tri.paged_attention),
+        )
+    except Exception as exc:  # pragma: no cover - defensive
+        log.debug("triton backend not registered: %s", exc)
+    try:
+        from trae_groups.kernels import flash_attn_backend as fa
+
+        register_backend(
+            "flash_attn",
+            fa.available,
+            lambda: AttentionBackend("flash_attn", fa.store_kv, fa.paged_attention),
+        )
+    except Exception as exc:  # pragma: no cover - defensive
+        log.debug("flash_attn backend not registered: %s", exc)
+
+
+_register_gpu_backends()

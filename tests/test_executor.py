@@ -344,3 +344,46 @@ def test_module_level_run_sync_and_async():
     assert trae_groups.run(spec, {"text": "ab"}).outputs["upper"] == "AB"
     result = asyncio.run(trae_groups.arun(spec, {"text": "cd"}, outputs=["both"]))
     assert result.outputs == {"both": "CD+doc about cd"}
+
+
+def test_heads_on_one_backbone_share_a_worker_and_run_it_once(model_dirs, tmp_path):
+    from transformers import BertForTokenClassification
+
+    tagger = BertForTokenClassification.from_pretrained(model_dirs["ner"])
+    classifier_dir = model_dirs["intent"]
+    from transformers import BertModel
+
+    tagger.bert.load_state_dict(BertModel.from_pretrained(classifier_dir).state_dict(), strict=False)
+    shared_ner = tmp_path / "shared_ner"
+    tagger.save_pretrained(shared_ner)
+    for f in model_dirs["ner"].glob("*"):
+        if "token" in f.name or f.name == "vocab.txt":
+            (shared_ner / f.name).write_bytes(f.read_bytes())
+    text = f"""
+name: heads
+models:
+  intent: {{source: {classifier_dir}, task: classify, max_queue_delay_ms: 50}}
+  ner: {{source: {shared_ner}, task: tag, max_queue_delay_ms: 50}}
+inputs: {{text: str}}
+nodes:
+  intent: {{model: intent, input: "{{{{ inputs.text }}}}"}}
+  entities: {{model: ner, input: "{{{{ inputs.text }}}}"}}
+outputs: {{intent: intent.label, spans: entities.spans}}
+"""
+    spec = load_graph_text(text, "heads.yaml")
+    rt, executor = runtime_for(spec)
+    try:
+        intent, ner = executor.clients["intent"], executor.clients["ner"]
+        assert intent.worker is ner.worker
+        backbone = intent.worker.runner.primary.model.base_model
+        calls = []
+        backbone.register_forward_hook(lambda mod, args, out: calls.append(1))
+
+        async def go():
+            return await asyncio.gather(*(executor.run({"text": t}) for t in TEXTS))
+
+        results = asyncio.run(go())
+        assert len(results) == len(TEXTS) and all(r.outputs["intent"] in INTENTS for r in results)
+        assert len(calls) <= 2  # both heads, all texts: one or two backbone batches
+    finally:
+        rt.shutdown()
