@@ -8,6 +8,7 @@ aborts the request and frees its pages.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -96,9 +97,16 @@ class LLMEngine:
 
     # -- models --------------------------------------------------------------------
     def add_llm(
-        self, name: str, path: str | Path, model=None, tokenizer=None, cache_key=None
+        self,
+        name: str,
+        path: str | Path,
+        model=None,
+        tokenizer=None,
+        cache_key=None,
+        max_num_seqs: int | None = None,
     ) -> LLMWorker:
-        """Load a causal LM (or take one already loaded with our attention) onto the engine."""
+        """Load a causal LM (or take one already loaded with our attention) onto the
+        engine; ``max_num_seqs`` overrides the engine's for this model."""
         if name in self.loop.workers:
             raise ValueError(f"a model named {name!r} is already on this engine")
         if model is None:
@@ -110,12 +118,15 @@ class LLMEngine:
 
             if fast_linear_available():
                 pack_linears(model)
+        config = self.config
+        if max_num_seqs is not None:
+            config = dataclasses.replace(config, max_num_seqs=max_num_seqs)
         worker = LLMWorker(
             name,
             model,
             tokenizer,
             self.pool,
-            self.config,
+            config,
             self.backend,
             self.loop.wake,
             cache_key=cache_key or (name, str(path)),

@@ -211,8 +211,9 @@ class ModelRuntime:
         loaded = self.store.load(path, "generate", dtype=dtype, device=self.config.device,
                                  name=worker_name, attn_implementation=ATTN_NAME)  # fmt: skip
         worker = self.engine.add_llm(
-            worker_name, path, model=loaded.model, tokenizer=loaded.tokenizer
-        )
+            worker_name, path, model=loaded.model, tokenizer=loaded.tokenizer,
+            max_num_seqs=spec.max_batch_size,
+        )  # fmt: skip
         client = LLMClient(self.engine, worker)
         self._by_key[key] = _Loaded(client, worker, str(path))
         return client

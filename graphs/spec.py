@@ -8,6 +8,7 @@ need the whole graph (references, cycles, task/kind fit, templates) live in
 from __future__ import annotations
 
 import keyword
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -447,10 +448,10 @@ class GraphSpec(_Spec):
         return self
 
     def model_path(self, name: str, version: str | None = None) -> Path:
-        """A model's folder (of ``version``, default its first); relative paths count
-        from the declaring file's folder."""
+        """A model's folder (of ``version``, default its first); ``${VAR}`` reads the
+        environment; relative paths count from the declaring file's folder."""
         sources = self.models[name].sources
-        path = Path(sources[version or next(iter(sources))]).expanduser()
+        path = Path(os.path.expandvars(sources[version or next(iter(sources))])).expanduser()
         base = self._source.base_dir if self._source else None
         return path if path.is_absolute() or base is None else base / path
 
