@@ -20,6 +20,7 @@ from trae_groups.engine.batcher import BatcherConfig
 from trae_groups.engine.config import DTYPES, EngineConfig
 from trae_groups.engine.encoder_worker import EncoderWorker
 from trae_groups.engine.engine import LLMEngine, read_config
+from trae_groups.engine.errors import ModelLoadError
 from trae_groups.engine.llm_runner import ATTN_NAME, kv_layout
 from trae_groups.engine.llm_worker import LLMWorker
 from trae_groups.engine.sampling import SamplingParams
@@ -138,6 +139,13 @@ class ModelRuntime:
         """An executor for the graph, its models loaded (once) onto this runtime."""
         graph = spec if isinstance(spec, CompiledGraph) else compile_graph(spec)
         functions = resolve_functions(graph.spec)
+        for name, model in graph.spec.models.items():
+            for version in model.sources:
+                path = str(graph.spec.model_path(name, version))
+                if "${" in path:
+                    raise ModelLoadError(
+                        path, f"model {name!r}: an environment variable in its source is not set"
+                    )
         wanted = [
             (name, version, model, graph.spec.model_path(name, version))
             for name, model in graph.spec.models.items()
