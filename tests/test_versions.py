@@ -153,8 +153,9 @@ def test_versions_share_identical_tensors(versions):
     try:
         reports = {r.path.split("/")[-1]: r for r in rt.store.report()}
         assert reports["v2"].shared_bytes > 0.9 * reports["v2"].bytes  # all but the head
-        v1 = rt.versioned("routed", "clf").clients["v1"].worker.runner.primary.model
-        v2 = rt.versioned("routed", "clf").clients["v2"].worker.runner.primary.model
+        clients = rt.versioned("routed", "clf").clients
+        v1, v2 = (clients[v].worker.runner.heads[clients[v].head].model for v in ("v1", "v2"))
+        assert clients["v1"].worker is clients["v2"].worker  # one backbone: one worker, two heads
         assert (
             v1.bert.embeddings.word_embeddings.weight.data_ptr()
             == v2.bert.embeddings.word_embeddings.weight.data_ptr()

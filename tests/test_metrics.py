@@ -1,0 +1,194 @@
+"""/metrics on a real server: the exposition parses, and counters move with traffic."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import build_encoder, build_llm
+from trae_groups.engine import EngineConfig
+from trae_groups.server import ServerConfig, ServerThread, create_app
+
+SUPPORT = """
+name: support
+models:
+  intent: {{source: {root}/intent, task: classify}}
+  dialog: {{source: {root}/dialog, task: generate}}
+inputs: {{text: str}}
+nodes:
+  intent: {{model: intent, input: "{{{{ inputs.text }}}}"}}
+  reply:
+    model: dialog
+    prompt: "Intent: {{{{ intent.label }}}}. {{{{ inputs.text }}}}"
+    params: {{max_tokens: 5, temperature: 0}}
+outputs: {{intent: intent.label, reply: reply.text}}
+"""
+FAILS = """
+name: fails
+inputs: {text: str}
+nodes:
+  explode: {function: "metrics_test_nodes:explode", args: {text: "{{ inputs.text }}"}}
+outputs: {never: explode}
+"""
+# long enough to fill whole pages, so a repeat hits the prefix cache
+TEXT = "hello world, how are you today? the quick brown fox jumps over the lazy dog " * 2
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root: Path = tmp_path_factory.mktemp("metrics")
+    build_llm(root / "dialog", "llama")
+    build_encoder(root / "intent", "classify", ["greet", "order", "spam"])
+    (root / "metrics_test_nodes.py").write_text("def explode(text):\n    raise ValueError('no')\n")
+    sys.path.insert(0, str(root))
+    (root / "support.yaml").write_text(SUPPORT.format(root=root))
+    (root / "fails.yaml").write_text(FAILS)
+    app = create_app(
+        [root / "support.yaml", root / "fails.yaml"],
+        ServerConfig(engine=EngineConfig(pool_bytes=8 << 20)),
+    )
+    with ServerThread(app) as running:
+        yield running
+    sys.path.remove(str(root))
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def scrape(http: httpx.Client) -> dict[tuple[str, tuple], float]:
+    """Every sample as (name, sorted labels) -> value; parsing is the test."""
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def names(samples) -> set[str]:
+    return {name for name, _ in samples}
+
+
+def test_counters_move_with_requests(http):
+    before = scrape(http)
+    for _ in range(3):
+        assert http.post("/v1/graphs/support", json={"inputs": {"text": TEXT}}).status_code == 200
+    assert http.post("/v1/graphs/support", json={"inputs": {}}).status_code == 422
+    assert http.post("/v1/graphs/fails", json={"inputs": {"text": "x"}}).status_code == 500
+    after = scrape(http)
+
+    def moved(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("trae_graph_requests_total", graph="support", code="200") == 3
+    assert moved("trae_graph_requests_total", graph="support", code="422") == 1
+    assert moved("trae_graph_errors_total", graph="support", type="InputError") == 1
+    assert moved("trae_graph_errors_total", graph="fails", type="NodeError") == 1
+    assert moved("trae_node_errors_total", graph="fails", node="explode") == 1
+    assert moved("trae_graph_latency_seconds_count", graph="support") == 3
+    for node in ("intent", "reply"):
+        assert moved("trae_node_runs_total", graph="support", node=node, status="ok") == 3
+        assert moved("trae_node_latency_seconds_count", graph="support", node=node) == 3
+        assert moved("trae_node_queue_seconds_count", graph="support", node=node) == 3
+    assert moved("trae_time_to_first_token_seconds_count", model="dialog") == 3
+    assert moved("trae_inter_token_latency_seconds_count", model="dialog") == 3 * 4
+    assert moved("trae_llm_generated_tokens_total", model="dialog") == 15
+    assert moved("trae_llm_batch_tokens_count", model="dialog") >= 5
+    assert moved("trae_encoder_items_total", model="intent") == 3
+    assert moved("trae_encoder_batch_size_count", model="intent") >= 1
+    assert moved("trae_prefix_cache_hits_total") >= 1
+    assert value(after, "trae_graph_inflight_requests", graph="support") == 0
+
+
+def test_inference_latency_is_a_histogram_in_ms_with_the_agreed_buckets(http):
+    http.post("/v1/graphs/support", json={"inputs": {"text": "hi"}})
+    samples = scrape(http)
+    buckets = sorted(
+        dict(labels)["le"]
+        for name, labels in samples
+        if name == "inference_latency_bucket" and dict(labels)["graph"] == "support"
+    )
+    assert sorted(buckets, key=float) == ["10.0", "50.0", "100.0", "200.0", "500.0", "+Inf"]
+    count = value(samples, "inference_latency_count", graph="support")
+    assert count >= 1
+    assert value(samples, "inference_latency_bucket", graph="support", le="+Inf") == count
+    mean_ms = value(samples, "inference_latency_sum", graph="support") / count
+    mean_s = value(samples, "trae_graph_latency_seconds_sum", graph="support") / value(
+        samples, "trae_graph_latency_seconds_count", graph="support"
+    )
+    assert mean_ms == pytest.approx(mean_s * 1000)
+
+
+def test_engine_pool_and_backend_are_reported(http, server):
+    samples = scrape(http)
+    info = [dict(labels) for name, labels in samples if name == "trae_engine_info"]
+    assert info == [{"attention_backend": "torch", "device": "cpu", "dtype": "float32"}]
+    capacity = value(samples, "trae_pool_capacity_pages")
+    assert capacity == server.state.runtime.engine.pool.num_pages
+    states = sum(value(samples, "trae_pool_pages", state=s) for s in ("used", "free", "cached"))
+    assert states == capacity
+    for model in ("dialog", "intent"):
+        assert ("trae_pool_model_usage_percent", (("model", model),)) in samples
+        assert ("trae_pool_model_pages", (("model", model), ("state", "used"))) in samples
+    assert 0 <= value(samples, "trae_prefix_cache_hit_rate") <= 1
+    assert {
+        "trae_llm_running_requests",
+        "trae_llm_waiting_requests",
+        "trae_llm_preemptions_total",
+        "trae_encoder_queue_items",
+        "trae_engine_steps_total",
+    } <= names(samples)
+    assert value(samples, "trae_ready") == 1
+    node_info = {
+        dict(labels)["node"]: dict(labels) for name, labels in samples if name == "trae_node_info"
+    }
+    assert node_info["reply"] == {"graph": "support", "node": "reply", "kind": "generate",
+                                  "model": "dialog"}  # fmt: skip
+    assert node_info["explode"]["kind"] == "python"
+
+
+def test_device_utilization_is_a_fraction(http, server):
+    http.post("/v1/graphs/support", json={"inputs": {"text": TEXT}})
+    utilization = value(scrape(http), "device_utilization", device="cpu")
+    if hasattr(server.state.runtime.engine.loop, "busy_seconds"):
+        assert 0 < utilization <= 1
+    else:  # an engine without a busy-time counter reports "unknown"
+        assert math.isnan(utilization)
+
+
+def test_openai_requests_are_counted(http):
+    before = scrape(http)
+    body = {"model": "support/dialog", "prompt": "hello", "max_tokens": 2}
+    assert http.post("/v1/completions", json=body).status_code == 200
+    after = scrape(http)
+    labels = {"endpoint": "completions", "model": "support/dialog", "code": "200"}
+    assert (
+        value(after, "trae_openai_requests_total", **labels)
+        - value(before, "trae_openai_requests_total", **labels)
+        == 1
+    )
+
+
+def test_each_app_has_its_own_registry(server):
+    spec = server.state.graphs["fails"].spec
+    other = create_app([spec], ServerConfig())
+    mine, theirs = server.state.metrics.registry, other.state.trae.metrics.registry
+    assert mine is not theirs and REGISTRY not in (mine, theirs)
+    text = other.state.trae.metrics.render().decode()
+    assert "trae_ready 0.0" in text  # not started: no models, not ready
+    assert not any(name.startswith("trae_") for name in REGISTRY._names_to_collectors)

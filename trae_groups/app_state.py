@@ -1,0 +1,285 @@
+"""What the routes of one app share: the served graphs, the models, admissions.
+
+Admission is the backpressure: each graph runs at most ``max_inflight`` requests at
+once and turns the next away (429 with Retry-After) instead of queueing it, so no
+backlog grows without bound. While models load, and once draining starts, every
+request gets 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from trae_groups.engine.config import EngineConfig
+from trae_groups.graphs.compile import CompiledGraph, compile_graph
+from trae_groups.graphs.errors import NodeError
+from trae_groups.graphs.executor import GraphExecutor, RunResult
+from trae_groups.graphs.spec import GraphSpec, PythonNode
+from trae_groups.http_errors import error_body, not_found, queue_full, status_of, unavailable
+from trae_groups.metrics import Metrics, NodeInfo
+
+log = logging.getLogger("trae_groups.server")
+CLIENT_GONE = 499  # the status metrics record when the client left first (nginx's)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the server runs. ``admin_token`` None reads ``TRAE_ADMIN_TOKEN``; neither
+    set disables the admin routes (they answer 404)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    engine: EngineConfig | None = None  # None: the runtime's defaults
+    max_inflight: int = 256
+    graph_limits: Mapping[str, int] = field(default_factory=dict)
+    max_body_bytes: int = 1 << 20
+    retry_after_s: int = 1
+    shutdown_grace_s: float = 30.0
+    admin_token: str | None = None
+    log_level: str = "info"
+
+    def __post_init__(self):
+        limits = [self.max_inflight, *self.graph_limits.values()]
+        if any(not isinstance(n, int) or n < 1 for n in limits):
+            raise ValueError("max_inflight: every limit must be an integer >= 1")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes: must be >= 1")
+        if self.retry_after_s < 0 or self.shutdown_grace_s < 0:
+            raise ValueError("retry_after_s and shutdown_grace_s: must be >= 0")
+
+    def limit_for(self, graph: str) -> int:
+        return self.graph_limits.get(graph, self.max_inflight)
+
+    def token(self) -> str | None:
+        token = (
+            self.admin_token if self.admin_token is not None else os.environ.get("TRAE_ADMIN_TOKEN")
+        )
+        return token or None
+
+
+@dataclass(eq=False)
+class ServedGraph:
+    """One graph as served: its spec, its executor once loaded, and its admissions.
+
+    A reload swaps the executor; requests admitted before keep the one they started
+    on, which is released (its models' references dropped) once the last one ends.
+    """
+
+    name: str
+    graph: CompiledGraph
+    path: Path | None
+    limit: int
+    executor: GraphExecutor | None = None
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)
+    inflight: int = 0
+    reload_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    _users: dict[GraphExecutor, int] = field(default_factory=dict)
+    _retired: dict[GraphExecutor, Callable[[GraphExecutor], None]] = field(default_factory=dict)
+
+    @property
+    def spec(self) -> GraphSpec:
+        return self.graph.spec
+
+    def bind(
+        self, executor: GraphExecutor, release: Callable[[GraphExecutor], None] | None = None
+    ) -> None:
+        """Swap in an executor for requests admitted from now on; ``release(old)``
+        runs when the old one has no request left."""
+        old, self.executor = self.executor, executor
+        self.graph = executor.graph
+        self.nodes = node_infos(executor)
+        if old is not None and release is not None:
+            if self._users.get(old, 0):
+                self._retired[old] = release
+            else:
+                release(old)
+
+    def enter(self) -> GraphExecutor:
+        self.inflight += 1
+        self._users[self.executor] = self._users.get(self.executor, 0) + 1
+        return self.executor
+
+    def leave(self, executor: GraphExecutor) -> None:
+        self.inflight -= 1
+        self._users[executor] -= 1
+        if self._users[executor] == 0:
+            del self._users[executor]
+            release = self._retired.pop(executor, None)
+            if release is not None:
+                release(executor)
+
+
+def node_infos(executor: GraphExecutor) -> dict[str, NodeInfo]:
+    infos = {}
+    for name, node in executor.graph.spec.nodes.items():
+        if isinstance(node, PythonNode):
+            infos[name] = NodeInfo("python", "")
+            continue
+        worker = getattr(executor.clients.get(node.model), "worker", None)
+        infos[name] = NodeInfo(node.kind, getattr(worker, "name", node.model))
+    return infos
+
+
+class Ticket:
+    """One admitted request, pinned to the executor it was admitted on;
+    ``release()`` once it is over (idempotent)."""
+
+    def __init__(self, state: AppState, served: ServedGraph):
+        self._state = state
+        self.served = served
+        self.executor = served.enter()
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.served.leave(self.executor)
+            self._state.released(self.served)
+
+
+class AppState:
+    """Everything the routes share: graphs, models, admissions, metrics."""
+
+    def __init__(self, graphs: list[tuple[GraphSpec, Path | None]], config: ServerConfig):
+        self.config = config
+        self.metrics = Metrics()
+        self.graphs: dict[str, ServedGraph] = {}
+        for spec, path in graphs:
+            if spec.name in self.graphs:
+                raise ValueError(f"two graphs are named '{spec.name}'")
+            self.graphs[spec.name] = ServedGraph(
+                spec.name, compile_graph(spec), path, config.limit_for(spec.name)
+            )
+        self.runtime: Any = None
+        self.ready = False
+        self.draining = False
+        self.load_error: str | None = None
+        self.inflight = 0
+        self._idle: list[anyio.Event] = []  # waiters for "no request in flight"
+        self.admin_token = config.token()
+        self.created = int(time.time())
+        self.on_load_failed: Callable[[], None] | None = None  # serve() stops the process
+        self.metrics.watch_engine(
+            lambda: self.runtime,
+            lambda: {g.name: g.nodes for g in self.graphs.values()},
+            lambda: self.ready and not self.draining,
+        )
+
+    # -- models --------------------------------------------------------------------
+    def load(self) -> None:
+        """Load every model and start the engine (blocking: run it in a thread)."""
+        try:
+            from trae_groups.graphs.runtime import ModelRuntime
+
+            engine_config = self.config.engine or EngineConfig()
+            specs = [g.spec for g in self.graphs.values()]
+            runtime = ModelRuntime.for_specs(specs, engine_config)
+            self.runtime = runtime
+            for served in self.graphs.values():
+                served.bind(runtime.bind(served.graph))
+            runtime.start()
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            raise
+        engine = runtime.engine
+        log.info(
+            "ready: %d graph(s) on device %s, attention backend %s, pool %d pages x %d bytes",
+            len(self.graphs),
+            engine_config.device,
+            engine.backend.name,
+            engine.pool.num_pages,
+            engine.pool.page_bytes,
+        )
+        self.ready = True
+
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.runtime.shutdown()
+
+    def retire(self, executor: GraphExecutor) -> None:
+        """Release a replaced executor's models, off the event loop (it waits for the
+        engine thread between two steps)."""
+
+        def release() -> None:
+            try:
+                self.runtime.release(executor)
+            except Exception:
+                log.exception("releasing the models of a replaced graph failed")
+
+        asyncio.get_running_loop().run_in_executor(None, release)
+
+    # -- admission -------------------------------------------------------------------
+    def graph(self, name: str) -> ServedGraph:
+        served = self.graphs.get(name)
+        if served is None:
+            known = ", ".join(sorted(self.graphs)) or "none"
+            raise not_found(f"unknown graph '{name}'; served: {known}")
+        return served
+
+    def require_ready(self, graph: str | None = None) -> None:
+        retry = self.config.retry_after_s
+        if self.draining:
+            if graph:
+                self.metrics.observe_rejected(graph, "draining")
+            raise unavailable("the server is shutting down", retry, type="ShuttingDown")
+        if not self.ready:
+            if graph:
+                self.metrics.observe_rejected(graph, "not_ready")
+            message = f"models failed to load: {self.load_error}" if self.load_error else None
+            raise unavailable(message or "models are loading", retry, type="NotReady")
+
+    def admit(self, served: ServedGraph) -> Ticket:
+        """A ticket for one request, or 503 (not ready, draining) / 429 (full)."""
+        self.require_ready(served.name)
+        if served.inflight >= served.limit:
+            self.metrics.observe_rejected(served.name, "queue_full")
+            raise queue_full(served.name, served.limit, max(1, self.config.retry_after_s))
+        self.inflight += 1
+        self.metrics.inflight.labels(served.name).inc()
+        return Ticket(self, served)
+
+    def released(self, served: ServedGraph) -> None:
+        self.inflight -= 1
+        self.metrics.inflight.labels(served.name).dec()
+        if self.inflight == 0:
+            for event in self._idle:
+                event.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight; False if ``timeout`` ran out first.
+        Called while draining, when nothing new is admitted."""
+        idle = anyio.Event()
+        self._idle.append(idle)
+        try:
+            with anyio.move_on_after(timeout):
+                if self.inflight:
+                    await idle.wait()
+                return True
+            return False
+        finally:
+            self._idle.remove(idle)
+
+    # -- bookkeeping of one run --------------------------------------------------------
+    def record(
+        self, served: ServedGraph, start: float, result: RunResult | None, error=None
+    ) -> None:
+        name = served.name
+        if error is not None:
+            self.metrics.observe_request(name, status_of(error))
+            self.metrics.observe_error(name, error_body(error)["error"]["type"])
+            if isinstance(error, NodeError):
+                self.metrics.node_errors.labels(name, error.node).inc()
+        elif result is None:
+            self.metrics.observe_request(name, CLIENT_GONE)
+        else:
+            self.metrics.observe_request(name, 200, time.perf_counter() - start)
+            self.metrics.observe_nodes(name, result.nodes, start)

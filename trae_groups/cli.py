@@ -1,0 +1,489 @@
+"""The ``trae`` command (alias ``trae-cli``).
+
+    trae serve GRAPH.yaml... [--host H] [--port P] [--pool-bytes 512MiB]
+    trae run GRAPH.yaml --input '{"text": "hi"}' [--outputs a,b] [--stream]
+    trae validate GRAPH.yaml...          exit 1 with file:line messages when invalid
+    trae show GRAPH.yaml [--format text|mermaid|dot|png] [--output FILE]
+    trae model info GRAPH.yaml... [--detail] [--json]
+    trae model route GRAPH MODEL [--split "v1:90%,v2:10%"] [--url URL] [--token T]
+    trae health [--url URL]
+    trae bench GRAPH.yaml --clients N --requests M [--url URL] [--input JSON]
+
+Commands that only read graphs (validate, show, health) import no model code, so
+they answer at once. Results go to stdout as JSON; logs and errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("trae_groups.cli")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "8388608", "512MiB", "1.5G", "64kb" (powers of 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2G)")
+    unit = match.group(2).lower()
+    scale = 1024 ** ("kmgt".index(unit) + 1) if unit else 1
+    return int(float(match.group(1)) * scale)
+
+
+def _json_arg(text: str) -> Any:
+    """JSON from the argument, or from a file with @path."""
+    source = Path(text[1:]).read_text() if text.startswith("@") else text
+    try:
+        return json.loads(source)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+
+
+def _print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
+
+
+# ---------------------------------------------------------------- engine options
+
+
+def _engine_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--pool-bytes", type=parse_size, help="memory pool size, e.g. 512MiB")
+    group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cpu)")
+    group.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    group.add_argument("--attention-backend", default=None, help="torch, triton, flash_attn")
+
+
+def _engine_config(args: argparse.Namespace):
+    from trae_groups.engine.config import EngineConfig
+
+    base = EngineConfig()
+    changes = {
+        "pool_bytes": args.pool_bytes,
+        "device": args.device,
+        "dtype": args.dtype,
+        "attention_backend": args.attention_backend,
+    }
+    return dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
+
+
+def _load_runtime(paths: Sequence[str], config) -> tuple[Any, list[Any]]:
+    """Specs loaded, their models on one runtime, one executor per graph."""
+    from trae_groups.graphs.loader import load_graph
+    from trae_groups.graphs.runtime import ModelRuntime
+
+    specs = [load_graph(p) for p in paths]
+    runtime = ModelRuntime.for_specs(specs, config)
+    executors = [runtime.bind(spec) for spec in specs]
+    engine = runtime.engine
+    log.info(
+        "engine on device %s, attention backend %s, pool %d pages x %d bytes",
+        config.device,
+        engine.backend.name,
+        engine.pool.num_pages,
+        engine.pool.page_bytes,
+    )
+    return runtime, executors
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from trae_groups.graphs.errors import GraphValidationError
+    from trae_groups.graphs.loader import load_graph
+
+    failed = False
+    for path in args.graphs:
+        try:
+            spec = load_graph(path)
+            issues = [] if args.skip_models else _missing_models(spec)
+            if args.functions:
+                from trae_groups.graphs.compile import resolve_functions
+
+                resolve_functions(spec)
+        except GraphValidationError as exc:
+            issues = exc.issues
+        if issues:
+            failed = True
+            for issue in issues:
+                print(issue, file=sys.stderr)
+            continue
+        counts = f"{len(spec.nodes)} nodes, {len(spec.models)} models"
+        print(f"ok: {path} (graph '{spec.name}': {counts})")
+    return 1 if failed else 0
+
+
+def _missing_models(spec) -> list:
+    """Model folders that do not exist (or hold no config.json), located in the file."""
+    from trae_groups.graphs.errors import SourceMap
+
+    source = spec.source or SourceMap("<spec>")
+    issues = []
+    for name, model in spec.models.items():
+        for version in model.sources:
+            folder = spec.model_path(name, version)
+            if not (folder / "config.json").is_file():
+                where = ("models", name, "source" if model.source else "versions")
+                message = f"model '{name}': no model at {folder} (no config.json)"
+                issues.append(source.issue(where, message))
+    return issues
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from trae_groups import drawing
+    from trae_groups.graphs.compile import compile_graph
+    from trae_groups.graphs.loader import load_graph
+
+    graph = compile_graph(load_graph(args.graph))
+    fmt = args.format or ("png" if args.output and args.output.endswith(".png") else "text")
+    if fmt == "png":
+        if not args.output:
+            print("error: --format png needs --output FILE.png", file=sys.stderr)
+            return 2
+        try:
+            drawing.render_png(drawing.as_dot(graph), Path(args.output))
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.output}")
+        return 0
+    draw = {"text": drawing.as_text, "mermaid": drawing.as_mermaid, "dot": drawing.as_dot}
+    text = draw[fmt](graph)
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from trae_groups.graph_api import result_body
+    from trae_groups.graphs.errors import GraphError
+    from trae_groups.graphs.loader import load_graph
+    from trae_groups.http_errors import error_body
+
+    try:  # bad inputs fail before any model loads
+        check_inputs(load_graph(args.graph), args.input)
+    except ValueError as exc:
+        _print_error(error_body(exc))
+        return 1
+    runtime, (executor,) = _load_runtime([args.graph], _engine_config(args))
+    outputs = args.outputs.split(",") if args.outputs else None
+    runtime.start()
+    try:
+        if args.stream:
+            return asyncio.run(_run_streamed(executor, args.input, outputs))
+        result = asyncio.run(executor.run(args.input, outputs=outputs, timeout=args.timeout))
+    except (GraphError, ValueError) as exc:
+        _print_error(error_body(exc))
+        return 1
+    finally:
+        runtime.shutdown()
+    _print_json(result_body(result))
+    return 0
+
+
+def check_inputs(spec, inputs: Any) -> None:
+    """The executor's input check, without loading models: InputError names the field."""
+    from pydantic import ValidationError
+
+    from trae_groups.graphs.executor import InputError
+
+    if not isinstance(inputs, dict):
+        raise InputError("(body)", "--input must be a JSON object")
+    try:
+        spec.input_model().model_validate(inputs)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise InputError(
+            ".".join(str(p) for p in first["loc"]) or "(inputs)", first["msg"]
+        ) from None
+
+
+async def _run_streamed(executor, inputs: dict, outputs) -> int:
+    """Each event as one JSON line; the last one is the result or the error."""
+    status = 0
+    async for event in executor.stream(inputs, outputs=outputs):
+        sys.stdout.write(json.dumps({"event": event.type, **event.data}, default=str) + "\n")
+        sys.stdout.flush()
+        status = 1 if event.type == "error" else status
+    return status
+
+
+def _print_error(body: dict) -> None:
+    sys.stderr.write(json.dumps(body, ensure_ascii=False) + "\n")
+
+
+def cmd_model_info(args: argparse.Namespace) -> int:
+    config = dataclasses.replace(_engine_config(args), pool_bytes=args.pool_bytes or 4 << 20)
+    runtime, executors = _load_runtime(args.graphs, config)
+    try:
+        reports = runtime.store.report()
+        users = _model_users(executors)
+    finally:
+        runtime.shutdown()
+    rows = []
+    for r in reports:
+        row = {
+            "name": r.name,
+            "task": r.task,
+            "parameters": r.parameters,
+            "bytes": r.bytes,
+            "shared_bytes": r.shared_bytes,
+            "device": r.device,
+            "dtype": r.dtype,
+        }
+        if args.detail:
+            row.update(path=r.path, quantize=r.quantize, memory=r.memory, gpu=r.gpu, loads=r.loads)
+            row["used_by"] = users.get(r.name, [])
+        rows.append(row)
+    held = runtime.store.total_bytes()
+    if args.json:
+        _print_json({"models": rows, "held_bytes": held})
+        return 0
+    _print_table(rows)
+    naive = sum(r.bytes for r in reports)
+    print(f"held once: {_mib(held)} (without sharing: {_mib(naive)})")
+    return 0
+
+
+def _model_users(executors) -> dict[str, list[str]]:
+    """Model name -> the graph/node pairs that run on it."""
+    users: dict[str, list[str]] = {}
+    for executor in executors:
+        spec = executor.graph.spec
+        for node_name, node in spec.nodes.items():
+            model = getattr(node, "model", None)
+            if model:
+                users.setdefault(model, []).append(f"{spec.name}/{node_name}")
+    return users
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.2f} MiB"
+
+
+def _print_table(rows: list[dict]) -> None:
+    if not rows:
+        print("(no models)")
+        return
+    cells = [[_cell(k, v) for k, v in row.items()] for row in rows]
+    heads = list(rows[0])
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
+    print("  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True)).rstrip())
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _cell(key: str, value: Any) -> str:
+    if key.endswith("bytes") and isinstance(value, int):
+        return _mib(value)
+    if isinstance(value, list):
+        return ",".join(value) or "-"
+    return str(value)
+
+
+def cmd_model_route(args: argparse.Namespace) -> int:
+    """Show (or, with --split, set) a model's split between versions on a server."""
+    import httpx
+
+    graph = args.graph
+    if graph.endswith((".yaml", ".yml")) and Path(graph).is_file():
+        from trae_groups.graphs.loader import load_graph
+
+        graph = load_graph(graph).name
+    token = args.token or os.environ.get("TRAE_ADMIN_TOKEN", "")
+    path = f"/admin/graphs/{graph}/models/{args.model}/route"
+    with httpx.Client(base_url=args.url, timeout=args.timeout) as client:
+        headers = {"Authorization": f"Bearer {token}"}
+        if args.split is None:
+            response = client.get(path, headers=headers)
+        else:
+            response = client.post(path, headers=headers, json={"split": args.split})
+    if response.status_code != 200:
+        _print_error(response.json())
+        return 1
+    _print_json(response.json())
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    import httpx
+
+    report: dict[str, Any] = {"url": args.url}
+    try:
+        with httpx.Client(base_url=args.url, timeout=args.timeout) as client:
+            report["alive"] = client.get("/health").status_code == 200
+            ready = client.get("/ready")
+            report["ready"] = ready.status_code == 200
+            if not report["ready"]:
+                report["reason"] = ready.json().get("error", {}).get("message")
+    except httpx.HTTPError as exc:
+        report.update(alive=False, ready=False, reason=f"{type(exc).__name__}: {exc}")
+    _print_json(report)
+    return 0 if report["ready"] else 1
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from trae_groups.server import ServerConfig, serve
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        engine=_engine_config(args),
+        max_inflight=args.max_inflight,
+        max_body_bytes=args.max_body_bytes,
+        shutdown_grace_s=args.grace,
+        admin_token=args.admin_token,
+        log_level=args.log_level,
+    )
+    return serve(args.graphs, config)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from trae_groups import loadgen
+    from trae_groups.graphs.loader import load_graph
+
+    spec = load_graph(args.graph)
+    inputs = args.input if args.input is not None else loadgen.sample_inputs(spec)
+    load = loadgen.Load(args.clients, args.requests)
+    if args.url:
+        report = asyncio.run(loadgen.over_http(load, args.url, spec.name, inputs, args.timeout))
+    else:
+        runtime, (executor,) = _load_runtime([args.graph], _engine_config(args))
+        runtime.start()
+        try:
+            report = asyncio.run(loadgen.in_process(load, executor, inputs))
+        finally:
+            runtime.shutdown()
+    if args.json:
+        _print_json(report)
+    else:
+        print(
+            f"{report['graph']} ({report['target']}): {report['requests']} requests, "
+            f"{report['errors']} errors, {args.clients} clients in {report['seconds']:.2f} s\n"
+            f"throughput {report['throughput_rps']:.2f} req/s, latency p50 "
+            f"{report['p50_ms']:.1f} ms, p99 {report['p99_ms']:.1f} ms"
+        )
+    return 0 if not report["errors"] else 1
+
+
+# ---------------------------------------------------------------- the parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trae", description="Serve composite model apps.")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve graphs over HTTP")
+    serve.add_argument("graphs", nargs="+", metavar="GRAPH.yaml")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-inflight", type=int, default=256, help="per graph; 429 beyond")
+    serve.add_argument("--max-body-bytes", type=parse_size, default=1 << 20)
+    serve.add_argument("--grace", type=float, default=30.0, help="seconds to drain on exit")
+    serve.add_argument("--admin-token", default=None, help="default: $TRAE_ADMIN_TOKEN")
+    _engine_options(serve)
+    serve.set_defaults(run=cmd_serve)
+
+    run = sub.add_parser("run", help="run a graph once in this process; print the result")
+    run.add_argument("graph", metavar="GRAPH.yaml")
+    run.add_argument("--input", type=_json_arg, default={}, help="JSON object, or @file.json")
+    run.add_argument("--outputs", help="comma-separated outputs (default: all)")
+    run.add_argument("--timeout", type=float, default=None)
+    run.add_argument("--stream", action="store_true", help="print events as JSON lines")
+    _engine_options(run)
+    run.set_defaults(run=cmd_run)
+
+    validate = sub.add_parser("validate", help="check graph files; exit 1 when invalid")
+    validate.add_argument("graphs", nargs="+", metavar="GRAPH.yaml")
+    validate.add_argument("--skip-models", action="store_true", help="do not check model folders")
+    validate.add_argument(
+        "--functions", action="store_true", help="also import python nodes' functions"
+    )
+    validate.set_defaults(run=cmd_validate)
+
+    show = sub.add_parser("show", help="draw the DAG")
+    show.add_argument("graph", metavar="GRAPH.yaml")
+    show.add_argument("--format", choices=["text", "mermaid", "dot", "png"])
+    show.add_argument("--output", "-o", help="write to a file (png needs Graphviz)")
+    show.set_defaults(run=cmd_show)
+
+    model = sub.add_parser("model", help="model commands")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    info = model_sub.add_parser("info", help="the weight-sharing report")
+    info.add_argument("graphs", nargs="+", metavar="GRAPH.yaml")
+    info.add_argument("--detail", action="store_true", help="paths, policies, users")
+    info.add_argument("--json", action="store_true")
+    _engine_options(info)
+    info.set_defaults(run=cmd_model_info)
+
+    route = model_sub.add_parser("route", help="show or set a model's split between versions")
+    route.add_argument("graph", help="the graph's name, or its YAML file")
+    route.add_argument("model")
+    route.add_argument("--split", help='e.g. "v1:90%%,v2:10%%" (omit to show the split)')
+    route.add_argument("--url", default="http://127.0.0.1:8000")
+    route.add_argument("--token", default=None, help="default: $TRAE_ADMIN_TOKEN")
+    route.add_argument("--timeout", type=float, default=30.0)
+    route.set_defaults(run=cmd_model_route)
+
+    health = sub.add_parser("health", help="is a server alive and ready? (exit 0 if ready)")
+    health.add_argument("--url", default="http://127.0.0.1:8000")
+    health.add_argument("--timeout", type=float, default=5.0)
+    health.set_defaults(run=cmd_health)
+
+    bench = sub.add_parser("bench", help="throughput and latency of a graph")
+    bench.add_argument("graph", metavar="GRAPH.yaml")
+    bench.add_argument("--clients", type=int, default=8)
+    bench.add_argument("--requests", type=int, default=100)
+    bench.add_argument("--url", help="a running server (default: in-process)")
+    bench.add_argument("--input", type=_json_arg, default=None, help="default: sample inputs")
+    bench.add_argument("--timeout", type=float, default=120.0)
+    bench.add_argument("--json", action="store_true")
+    _engine_options(bench)
+    bench.set_defaults(run=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if getattr(args, "clients", 1) < 1 or getattr(args, "requests", 1) < 0:
+        print("error: --clients must be >= 1 and --requests >= 0", file=sys.stderr)
+        return 2
+    from trae_groups.graphs.errors import GraphValidationError
+
+    try:
+        return args.run(args)
+    except GraphValidationError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""HTTP plumbing the routes share: bounded JSON bodies, cancel-on-disconnect, and
+Server-Sent Events.
+
+A request whose client goes away must stop costing anything: ``until_disconnect``
+and ``EventStream`` watch the connection while the work runs and cancel it the
+moment the client leaves (the executor then aborts its engine work).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive, Scope, Send
+
+from trae_groups.http_errors import bad_request, too_large
+
+T = TypeVar("T")
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The body as JSON; 413 past ``limit`` bytes (declared or streamed), 400 if not JSON."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise bad_request("Content-Length is not a number")
+        if int(declared) > limit:
+            raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        data = json.loads(body)
+        json.dumps(data, ensure_ascii=False).encode("utf-8")  # no lone surrogates ("\\ud800")
+    except UnicodeEncodeError:
+        raise bad_request("the body holds text that is not valid Unicode") from None
+    except (ValueError, RecursionError) as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    return data
+
+
+async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
+    """Run ``work()``; if the client disconnects first, cancel it. Returns (result, gone)."""
+    outcome: dict[str, Any] = {"gone": False}
+
+    async with anyio.create_task_group() as group:
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            outcome["gone"] = True
+            group.cancel_scope.cancel()
+
+        async def run() -> None:
+            try:
+                outcome["result"] = await work()
+            except Exception as exc:
+                outcome["error"] = exc
+            group.cancel_scope.cancel()
+
+        group.start_soon(watch)
+        group.start_soon(run)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("result"), outcome["gone"]
+
+
+Emit = Callable[[str], Awaitable[None]]
+
+
+class EventStream(Response):
+    """Server-Sent Events written by ``produce(emit)``; the client leaving cancels it.
+    ``on_close`` runs however the stream ends (it releases the admission ticket)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        produce: Callable[[Emit], Awaitable[None]],
+        on_close: Callable[[], None],
+        headers: Mapping[str, str] | None = None,
+    ):
+        self._produce = produce
+        self._on_close = on_close
+        self.status_code = 200
+        self.background = None
+        self.init_headers(
+            {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+
+            async def emit(text: str) -> None:
+                body = text.encode("utf-8")
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+
+            _, gone = await until_disconnect(receive, lambda: self._produce(emit))
+            if not gone:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the socket went away while writing: same as a disconnect
+            pass
+        finally:
+            self._on_close()
+
+
+class ResultResponse(JSONResponse):
+    """JSON whose values may come from user code (python nodes): sets and tuples
+    become lists, other non-JSON values their ``str()``."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content).encode("utf-8")
+
+
+def dumps(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=_plain)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, set | frozenset | tuple):
+        return list(value)
+    return str(value)
+
+
+def sse(event: str | None, data: Any) -> str:
+    """One SSE message; ``event`` None writes a data-only message (OpenAI style)."""
+    payload = data if isinstance(data, str) else dumps(data)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload}\n\n"
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"

@@ -1,0 +1,94 @@
+"""A small load generator for ``trae bench``: N concurrent clients share M requests,
+in process (the executor) or over HTTP; the report has throughput and p50/p99.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("trae_groups.bench")
+
+
+@dataclass(frozen=True)
+class Load:
+    clients: int
+    requests: int
+
+
+def sample_inputs(spec) -> dict:
+    """A plausible value for every required input (benchmarks without --input)."""
+    samples = {
+        "str": "hello, where is my order to paris?",
+        "int": 1,
+        "float": 0.5,
+        "bool": True,
+        "list[str]": ["hello", "world"],
+        "messages": [{"role": "user", "content": "hello, where is my order?"}],
+    }
+    return {name: samples[i.type] for name, i in spec.inputs.items() if not i.optional}
+
+
+async def in_process(load: Load, executor: Any, inputs: dict) -> dict:
+    report = await drive(load, lambda: executor.run(inputs))
+    return {"graph": executor.graph.spec.name, "target": "in-process", **report}
+
+
+async def over_http(load: Load, url: str, graph: str, inputs: dict, timeout: float) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=load.clients)
+    async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
+
+        async def call() -> None:
+            response = await client.post(f"/v1/graphs/{graph}", json={"inputs": inputs})
+            response.raise_for_status()
+
+        report = await drive(load, call)
+    return {"graph": graph, "target": url, **report}
+
+
+async def drive(load: Load, call: Callable[[], Awaitable[Any]]) -> dict:
+    """``load.clients`` workers share ``load.requests`` calls; failures are counted."""
+    latencies: list[float] = []
+    errors = 0
+    remaining = iter(range(load.requests))
+
+    async def client() -> None:
+        nonlocal errors
+        for _ in remaining:
+            start = time.perf_counter()
+            try:
+                await call()
+            except Exception as exc:
+                errors += 1
+                log.debug("request failed: %s", exc)
+                continue
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(load.clients)))
+    seconds = time.perf_counter() - start
+    return {
+        "clients": load.clients,
+        "requests": len(latencies) + errors,
+        "errors": errors,
+        "seconds": seconds,
+        "throughput_rps": len(latencies) / seconds if seconds > 0 else 0.0,
+        "p50_ms": percentile(latencies, 50) * 1000,
+        "p99_ms": percentile(latencies, 99) * 1000,
+    }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
+    return ordered[rank - 1]

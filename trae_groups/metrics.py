@@ -1,0 +1,425 @@
+"""Prometheus metrics for one app, on its own registry (never the global one), so two
+apps in one process never collide.
+
+Two sources. The request path observes what it sees as it happens (graph and node
+outcomes, latencies, tokens as they stream). The engine's counters are read when
+``/metrics`` is scraped, by a collector, so the engine thread never pays for
+metrics. See docs/serving.md for the list.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from trae_groups.graphs.executor import Event
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+INFERENCE_MS_BUCKETS = (10, 50, 100, 200, 500)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What a node runs on, for labels: its kind and its engine worker's name."""
+
+    kind: str
+    model: str
+
+
+class Metrics:
+    """Every metric of one app; the server calls the ``observe_*`` methods."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        graph, node = ["graph"], ["graph", "node"]
+        self.requests = Counter(
+            "trae_graph_requests", "Graph requests answered, by HTTP status", [*graph, "code"],
+            registry=r,
+        )  # fmt: skip
+        self.errors = Counter(
+            "trae_graph_errors", "Graph requests that failed, by error type", [*graph, "type"],
+            registry=r,
+        )  # fmt: skip
+        self.rejected = Counter(
+            "trae_graph_rejected",
+            "Requests turned away before running (queue_full, not_ready, draining)",
+            [*graph, "reason"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "trae_graph_inflight_requests", "Requests running now", graph, registry=r
+        )
+        self.latency = Histogram(
+            "trae_graph_latency_seconds", "Graph request latency (run time)", graph,
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.inference_latency = Histogram(
+            "inference_latency", "Graph inference latency in milliseconds", graph,
+            buckets=INFERENCE_MS_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.node_runs = Counter(
+            "trae_node_runs", "Node outcomes (ok, skipped, failed, default, cancelled)",
+            [*node, "status"], registry=r,
+        )  # fmt: skip
+        self.node_errors = Counter(
+            "trae_node_errors", "Nodes that failed (also those on_error skipped or defaulted)",
+            node, registry=r,
+        )  # fmt: skip
+        self.node_latency = Histogram(
+            "trae_node_latency_seconds", "Node run time, start to result", node,
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.node_queue = Histogram(
+            "trae_node_queue_seconds",
+            "Time from the request's start to the node's start (waiting for its parents)",
+            node, buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "trae_time_to_first_token_seconds",
+            "Time to first token: generate node start (or request arrival) to first token",
+            ["model"], buckets=TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "trae_inter_token_latency_seconds", "Time between streamed tokens", ["model"],
+            buckets=TOKEN_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.openai_requests = Counter(
+            "trae_openai_requests", "OpenAI-compatible requests, by endpoint, model and status",
+            ["endpoint", "model", "code"], registry=r,
+        )  # fmt: skip
+
+    # -- the request path -----------------------------------------------------------
+    def observe_request(self, graph: str, code: int, seconds: float | None = None) -> None:
+        self.requests.labels(graph, str(code)).inc()
+        if seconds is not None:
+            self.latency.labels(graph).observe(seconds)
+            self.inference_latency.labels(graph).observe(seconds * 1000.0)
+
+    def observe_error(self, graph: str, error_type: str) -> None:
+        self.errors.labels(graph, error_type).inc()
+
+    def observe_rejected(self, graph: str, reason: str) -> None:
+        self.rejected.labels(graph, reason).inc()
+
+    def observe_nodes(self, graph: str, result_nodes: Mapping[str, Any], start: float) -> None:
+        """Per-node outcomes of one finished (or failed) run; ``start`` is perf_counter."""
+        for name, record in result_nodes.items():
+            self.node_runs.labels(graph, name, record.status).inc()
+            if record.error is not None:  # failed, whatever its on_error made of it
+                self.node_errors.labels(graph, name).inc()
+            if record.started is not None:
+                self.node_queue.labels(graph, name).observe(max(0.0, record.started - start))
+            if record.ms is not None:
+                self.node_latency.labels(graph, name).observe(record.ms / 1000.0)
+
+    def token_clock(self, nodes: Mapping[str, NodeInfo]) -> TokenClock:
+        return TokenClock(self, nodes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def watch_engine(
+        self,
+        runtime: Callable[[], Any],
+        graphs: Callable[[], Mapping[str, Mapping[str, NodeInfo]]],
+        ready: Callable[[], bool],
+    ) -> EngineCollector:
+        collector = EngineCollector(runtime, graphs, ready)
+        self.registry.register(collector)
+        return collector
+
+
+class TokenClock:
+    """An executor event sink that times tokens per generate node (TTFT and ITL)."""
+
+    def __init__(self, metrics: Metrics, nodes: Mapping[str, NodeInfo]):
+        self._metrics = metrics
+        self._nodes = nodes
+        self._started: dict[str, float] = {}
+        self._last: dict[str, float] = {}
+        self.tokens: dict[str, int] = {}
+
+    def __call__(self, event: Event) -> None:
+        node = event.data.get("node")
+        now = time.perf_counter()
+        if event.type == "node_started":
+            self._started[node] = now
+        elif event.type == "token" and node in self._nodes:
+            model = self._nodes[node].model
+            if node in self._last:
+                self._metrics.itl.labels(model).observe(now - self._last[node])
+            elif node in self._started:
+                self._metrics.ttft.labels(model).observe(now - self._started[node])
+            self._last[node] = now
+            self.tokens[node] = self.tokens.get(node, 0) + 1
+
+
+# ---------------------------------------------------------------- engine, at scrape time
+
+
+class _CumulativeHistogram:
+    """Bucket counts kept across scrapes, fed by the new values since the last one."""
+
+    def __init__(self, buckets: tuple[float, ...]):
+        self.bounds = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.total = 0.0
+
+    def add(self, values: Iterable[float]) -> None:
+        for value in values:
+            i = next((k for k, b in enumerate(self.bounds) if value <= b), len(self.bounds))
+            self.counts[i] += 1
+            self.total += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        return _cumulate(zip(self.bounds, self.counts, strict=False), sum(self.counts))
+
+
+def _cumulate(pairs: Iterable[tuple[float, int]], total: int) -> list[tuple[str, float]]:
+    out, running = [], 0
+    for bound, count in pairs:
+        running += count
+        out.append((_le(bound), running))
+    out.append(("+Inf", total))
+    return out
+
+
+def _le(bound: float) -> str:
+    return str(float(bound))
+
+
+def _histogram_from_sizes(sizes: Mapping[int, int]) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative buckets from an encoder's {batch size: how many batches}."""
+    per_bucket = [0] * len(BATCH_BUCKETS)
+    total = 0
+    for size, count in sizes.items():
+        total += count
+        for i, bound in enumerate(BATCH_BUCKETS):
+            if size <= bound:
+                per_bucket[i] += count
+                break
+    summed = float(sum(size * count for size, count in sizes.items()))
+    return _cumulate(zip(BATCH_BUCKETS, per_bucket, strict=True), total), summed
+
+
+class EngineCollector(Collector):
+    """Reads the engine's counters when /metrics is scraped."""
+
+    def __init__(
+        self,
+        runtime: Callable[[], Any],
+        graphs: Callable[[], Mapping[str, Mapping[str, NodeInfo]]],
+        ready: Callable[[], bool],
+    ):
+        self._runtime = runtime
+        self._graphs = graphs
+        self._ready = ready
+        self._lock = threading.Lock()
+        self._batch_tokens: dict[str, _CumulativeHistogram] = {}
+        self._steps_seen: dict[str, int] = {}
+        self._busy_mark = (0.0, time.monotonic())  # (busy seconds, wall) at the last scrape
+
+    def describe(self) -> list[Metric]:
+        return []  # names are dynamic; never collect at registration
+
+    def collect(self) -> Iterable[Metric]:
+        ready = GaugeMetricFamily("trae_ready", "1 when every model is loaded and serving")
+        ready.add_metric([], 1.0 if self._ready() else 0.0)
+        yield ready
+        yield from self._node_info()
+        runtime = self._runtime()
+        if runtime is None:
+            return
+        with self._lock:
+            yield from self._engine(runtime.engine, runtime.config)
+            yield from self._pool(runtime.engine.pool, runtime.engine.loop.workers)
+            yield from self._workers(runtime.engine)
+
+    def _node_info(self) -> Iterable[Metric]:
+        info = GaugeMetricFamily(
+            "trae_node_info", "Which model each node runs on (1)", labels=["graph", "node", "kind", "model"]
+        )  # fmt: skip
+        for graph, nodes in self._graphs().items():
+            for node, node_info in nodes.items():
+                info.add_metric([graph, node, node_info.kind, node_info.model], 1.0)
+        yield info
+
+    def _engine(self, engine: Any, config: Any) -> Iterable[Metric]:
+        info = InfoMetricFamily("trae_engine", "The engine's attention backend and device")
+        info.add_metric(
+            [],
+            {
+                "attention_backend": engine.backend.name,
+                "device": str(config.device),
+                "dtype": str(config.dtype),
+            },
+        )
+        yield info
+        loop = engine.loop
+        steps = CounterMetricFamily("trae_engine_steps", "Batches the engine loop has run")
+        steps.add_metric([], float(loop.steps))
+        yield steps
+        yield from self._utilization(loop, str(config.device))
+
+    def _utilization(self, loop: Any, device: str) -> Iterable[Metric]:
+        """Busy fraction since the previous scrape, from the loop's ``busy_seconds``
+        counter (NaN on an engine that does not keep one)."""
+        gauge = GaugeMetricFamily(
+            "device_utilization",
+            "Fraction of wall time the engine thread was busy stepping, since the last scrape",
+            labels=["device"],
+        )
+        busy = getattr(loop, "busy_seconds", None)
+        if busy is None:
+            gauge.add_metric([device], math.nan)
+            yield gauge
+            return
+        yield _counter("trae_engine_busy_seconds", "Time the engine thread spent stepping", busy)
+        now = time.monotonic()
+        last_busy, last_wall = self._busy_mark
+        self._busy_mark = (busy, now)
+        elapsed = now - last_wall
+        share = (busy - last_busy) / elapsed if elapsed > 0 else 0.0
+        gauge.add_metric([device], min(1.0, max(0.0, share)))
+        yield gauge
+
+    def _pool(self, pool: Any, models: Iterable[str]) -> Iterable[Metric]:
+        stats = _pool_stats(pool)
+        pages = GaugeMetricFamily("trae_pool_pages", "Pool pages by state", labels=["state"])
+        for state in ("used", "free", "cached"):
+            pages.add_metric([state], float(getattr(stats, f"{state}_pages")))
+        yield pages
+        yield _gauge("trae_pool_capacity_pages", "Pages in the pool", stats.num_pages)
+        yield _gauge("trae_pool_page_bytes", "Bytes per page", stats.page_bytes)
+        yield _gauge("trae_pool_usage_percent", "Pool pages in use, percent", 100 * stats.usage)
+        by_model = GaugeMetricFamily(
+            "trae_pool_model_pages", "Pages a model holds", labels=["model", "state"]
+        )
+        percent = GaugeMetricFamily(
+            "trae_pool_model_usage_percent",
+            "Percent of the pool a model holds in use",
+            labels=["model"],
+        )
+        used = {_model_of(k): v for k, v in stats.pages_by_owner.items()}
+        cached = {_model_of(k): v for k, v in stats.cached_by_owner.items()}
+        for model in sorted(set(models) | set(used) | set(cached)):
+            by_model.add_metric([model, "used"], float(used.get(model, 0)))
+            by_model.add_metric([model, "cached"], float(cached.get(model, 0)))
+            percent.add_metric([model], 100.0 * used.get(model, 0) / max(1, stats.num_pages))
+        yield by_model
+        yield percent
+        yield _gauge(
+            "trae_prefix_cache_hit_rate", "Prefix-cache hits per lookup", stats.prefix_hit_rate
+        )
+        yield _counter("trae_prefix_cache_queries", "Prefix-cache lookups", stats.prefix_queries)
+        yield _counter("trae_prefix_cache_hits", "Prefix-cache hits", stats.prefix_hits)
+        yield _counter("trae_pool_evictions", "Cached pages evicted for room", stats.evictions)
+
+    def _workers(self, engine: Any) -> Iterable[Metric]:
+        llm = {name: w.stats() for name, w in engine.llms.items()}
+        encoders = {
+            name: w.stats()
+            for name, w in engine.loop.workers.items()
+            if name not in llm and hasattr(w, "batch_sizes")
+        }
+        yield from self._llm_metrics(engine, llm)
+        yield from _encoder_metrics(encoders)
+
+    def _llm_metrics(self, engine: Any, stats: Mapping[str, dict]) -> Iterable[Metric]:
+        specs = [
+            ("trae_llm_running_requests", "Sequences being decoded or prefilled", "running", False),
+            ("trae_llm_waiting_requests", "Sequences waiting for admission", "waiting", False),
+            ("trae_llm_generated_tokens", "Tokens generated", "generated_tokens", True),
+            ("trae_llm_prompt_tokens", "Prompt tokens prefilled", "prompt_tokens", True),
+            ("trae_llm_preemptions", "Sequences preempted for room", "preemptions", True),
+            ("trae_llm_steps", "Batches run", "steps", True),
+        ]
+        for name, doc, key, counter in specs:
+            family = (CounterMetricFamily if counter else GaugeMetricFamily)(
+                name, doc, labels=["model"]
+            )
+            for model, s in stats.items():
+                family.add_metric([model], float(s.get(key, 0)))
+            yield family
+        batch = HistogramMetricFamily(
+            "trae_llm_batch_tokens", "Tokens per LLM step (prefill chunks plus decodes)",
+            labels=["model"],
+        )  # fmt: skip
+        for model, worker in engine.llms.items():
+            hist = self._llm_batch_histogram(model, worker)
+            batch.add_metric([model], hist.buckets(), hist.total)
+        yield batch
+
+    def _llm_batch_histogram(self, model: str, worker: Any) -> _CumulativeHistogram:
+        """New step sizes since the last scrape: the tail of the worker's recent window."""
+        hist = self._batch_tokens.setdefault(model, _CumulativeHistogram(BATCH_BUCKETS))
+        recent = list(worker.batch_tokens)
+        steps = worker.num_steps
+        new = min(len(recent), steps - self._steps_seen.get(model, 0))
+        if new > 0:
+            hist.add(recent[-new:])
+        self._steps_seen[model] = steps
+        return hist
+
+
+def _encoder_metrics(stats: Mapping[str, dict]) -> Iterable[Metric]:
+    queue = GaugeMetricFamily("trae_encoder_queue_items", "Items waiting", labels=["model"])
+    batches = CounterMetricFamily("trae_encoder_batches", "Batches run", labels=["model"])
+    items = CounterMetricFamily("trae_encoder_items", "Items encoded", labels=["model"])
+    padding = GaugeMetricFamily(
+        "trae_encoder_padding_ratio", "Padded tokens per real token", labels=["model"]
+    )
+    sizes = HistogramMetricFamily(
+        "trae_encoder_batch_size", "Items per encoder batch", labels=["model"]
+    )
+    for model, s in stats.items():
+        queue.add_metric([model], float(s.get("queue", 0)))
+        batches.add_metric([model], float(s.get("batches", 0)))
+        items.add_metric([model], float(s.get("items", 0)))
+        padding.add_metric([model], float(s.get("padding_ratio", 0.0)))
+        buckets, summed = _histogram_from_sizes(s.get("batch_sizes", {}))
+        sizes.add_metric([model], buckets, summed)
+    yield from (queue, batches, items, padding, sizes)
+
+
+def _pool_stats(pool: Any) -> Any:
+    """The pool's stats, read from another thread: retry if the engine moved a page."""
+    for _ in range(5):
+        try:
+            return pool.stats()
+        except RuntimeError:  # a dict changed size while we iterated it
+            continue
+    return pool.stats()
+
+
+def _model_of(owner: str) -> str:
+    return owner.removeprefix("encoder:")
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc)
+    family.add_metric([], float(value) if not math.isnan(value) else 0.0)
+    return family
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc)
+    family.add_metric([], float(value))
+    return family

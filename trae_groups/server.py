@@ -1,0 +1,322 @@
+"""The HTTP server: one Starlette app serves every graph on one engine.
+
+``create_app(graphs, config)`` validates the graphs at once (a bad file fails here,
+before any model loads) and loads the models in a background thread when the app
+starts, so ``/health`` answers while ``/ready`` says 503 until they are in. A client
+that goes away cancels its run, which aborts its engine work and frees its pages.
+Shutting down first answers 503 to new requests, lets the ones in flight finish
+within a grace period, then stops the engine. docs/serving.md is the guide.
+
+Routes live by concern: graph_api (runs, schemas), openai_api (OpenAI-compatible),
+this module (operations: health, readiness, metrics, admin) and openapi.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import math
+import signal
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from trae_groups import graph_api, openai_api
+from trae_groups.app_state import AppState, ServerConfig
+from trae_groups.graphs.loader import load_graph
+from trae_groups.graphs.routing import check_split, parse_split
+from trae_groups.graphs.spec import GraphSpec
+from trae_groups.http_errors import HTTPError, bad_request, error_response, not_found
+from trae_groups.http_io import read_json
+from trae_groups.metrics import CONTENT_TYPE
+from trae_groups.openapi import openapi_document
+
+log = logging.getLogger("trae_groups.server")
+
+
+async def health(request: Request) -> Response:
+    state: AppState = request.app.state.trae
+    return JSONResponse({"status": "ok", "draining": state.draining})
+
+
+async def ready(request: Request) -> Response:
+    state: AppState = request.app.state.trae
+    state.require_ready()
+    return JSONResponse({"status": "ready", "graphs": sorted(state.graphs)})
+
+
+async def metrics(request: Request) -> Response:
+    state: AppState = request.app.state.trae
+    data = await anyio.to_thread.run_sync(state.metrics.render)
+    return Response(data, media_type=CONTENT_TYPE)
+
+
+def check_admin(request: Request, state: AppState) -> None:
+    """404 when admin is off (no token configured); 401 without the right bearer token."""
+    if state.admin_token is None:
+        raise not_found("admin routes are disabled: set TRAE_ADMIN_TOKEN to enable them")
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    expected = state.admin_token.encode()
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+        raise HTTPError(401, "admin routes need 'Authorization: Bearer <token>'")
+
+
+async def reload_graph(request: Request) -> Response:
+    """Re-read the graph's file; on success new requests use it, in-flight ones finish
+    on the old one; on failure the old graph stays and the issues come back (422)."""
+    state: AppState = request.app.state.trae
+    check_admin(request, state)
+    served = state.graph(request.path_params["name"])
+    if served.path is None:
+        raise HTTPError(409, f"graph '{served.name}' was not loaded from a file")
+    state.require_ready()
+    async with served.reload_lock:
+        spec = await anyio.to_thread.run_sync(load_graph, served.path)
+        if spec.name != served.name:
+            message = f"the file now declares graph '{spec.name}', not '{served.name}'"
+            raise HTTPError(422, message, field="name", type="GraphValidationError")
+        executor = await anyio.to_thread.run_sync(state.runtime.bind, spec)
+        served.bind(executor, release=state.retire)
+    log.info("reloaded graph '%s' from %s", served.name, served.path)
+    return JSONResponse({"graph": served.name, "reloaded": True, **graph_api.summary(served)})
+
+
+async def route_model(request: Request) -> Response:
+    """GET: a model's split between its versions; POST ``{"split": "v1:90%,v2:10%"}``
+    (or ``{"split": {"v1": 90, "v2": 10}}``): change it for requests from now on.
+    The split lasts until the graph is reloaded (the file's ``route`` then applies)."""
+    state: AppState = request.app.state.trae
+    check_admin(request, state)
+    served = state.graph(request.path_params["name"])
+    state.require_ready()
+    model = request.path_params["model"]
+    versioned = served.executor.models.get(model)
+    if versioned is None:
+        raise not_found(f"graph '{served.name}' has no model '{model}'", field="model")
+    if request.method == "POST":
+        body = await read_json(request, state.config.max_body_bytes)
+        split = body.get("split") if isinstance(body, dict) else None
+        if isinstance(split, str):
+            split = parse_split(split)
+        if not isinstance(split, dict):
+            raise bad_request('send {"split": "v1:90%,v2:10%"} or {"split": {"v1": 90}}', "split")
+        versioned.router.set_weights(check_split(split, list(versioned.clients)))
+        log.info("graph '%s' model '%s' split: %s", served.name, model, versioned.router.weights)
+    return JSONResponse({"graph": served.name, "model": model, "route": versioned.router.weights})
+
+
+async def openapi(request: Request) -> Response:
+    state: AppState = request.app.state.trae
+    return JSONResponse(openapi_document(state))
+
+
+# ---------------------------------------------------------------- the app
+
+
+def create_app(
+    graphs: Sequence[GraphSpec | str | Path], config: ServerConfig | None = None
+) -> Starlette:
+    """The app serving ``graphs`` (specs or YAML paths). Invalid graphs raise
+    GraphValidationError here; models load when the app starts."""
+    config = config or ServerConfig()
+    loaded = [
+        (g, None) if isinstance(g, GraphSpec) else (load_graph(g), Path(g).resolve())
+        for g in graphs
+    ]
+    state = AppState(loaded, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        loading = asyncio.get_running_loop().create_task(_load(state))
+        try:
+            yield
+        finally:
+            state.draining = True
+            await state.wait_idle(config.shutdown_grace_s)
+            with contextlib.suppress(Exception):
+                await loading
+            await anyio.to_thread.run_sync(state.close)
+
+    routes = [
+        Route("/health", health),
+        Route("/ready", ready),
+        Route("/metrics", metrics),
+        Route("/openapi.json", openapi),
+        Route("/v1/graphs", graph_api.list_graphs),
+        Route("/v1/graphs/{name}", graph_api.get_graph, methods=["GET"]),
+        Route("/v1/graphs/{name}", graph_api.run_graph, methods=["POST"]),
+        Route("/admin/graphs/{name}/reload", reload_graph, methods=["POST"]),
+        Route("/admin/graphs/{name}/models/{model}/route", route_model, methods=["GET", "POST"]),
+        *openai_api.routes(),
+    ]
+    app = Starlette(
+        routes=[_guarded(r) for r in routes],
+        exception_handlers={HTTPException: _handle, HTTPError: _handle},
+        lifespan=lifespan,
+    )
+    app.state.trae = state
+    return app
+
+
+async def _load(state: AppState) -> None:
+    try:
+        await anyio.to_thread.run_sync(state.load)
+    except Exception:
+        log.exception("the server cannot serve: models did not load")
+        if state.on_load_failed is not None:
+            state.on_load_failed()
+
+
+def _guarded(route: Route) -> Route:
+    """Every error a handler raises becomes the one error body (http_errors)."""
+    endpoint = route.endpoint
+    openai = route.path.startswith("/v1/") and "graphs" not in route.path
+
+    async def guarded(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except Exception as exc:
+            return error_response(exc, openai=openai)
+
+    return Route(route.path, guarded, methods=route.methods, name=route.name)
+
+
+async def _handle(request: Request, exc: Exception) -> Response:
+    return error_response(exc)
+
+
+# ---------------------------------------------------------------- running it
+
+
+class TraeServer(uvicorn.Server):
+    """uvicorn with a draining shutdown: the first SIGTERM/SIGINT (or ``stop()``) makes
+    new requests 503 and waits up to the grace period for in-flight ones; then the
+    sockets close and the engine stops. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, state: AppState):
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._stopping:
+            self.should_exit = self.force_exit = True
+            return
+        self._stopping = True
+        self.state.draining = True
+        log.info("draining: %d request(s) in flight", self.state.inflight)
+        if self._loop is None:
+            self.should_exit = True
+            return
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        if not await self.state.wait_idle(self.state.config.shutdown_grace_s):
+            log.warning("grace period over with %d request(s) in flight", self.state.inflight)
+        self.should_exit = True
+
+    def stop(self) -> None:
+        """From any thread: drain, then exit (what SIGTERM does)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.handle_exit, signal.SIGTERM, None)
+        else:
+            self.should_exit = True
+
+
+def _uvicorn_config(
+    app: Starlette, config: ServerConfig, log_level: str | None = None
+) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=log_level or config.log_level,
+        timeout_graceful_shutdown=max(1, math.ceil(config.shutdown_grace_s)),
+        lifespan="on",
+    )
+
+
+def serve(graphs: Sequence[GraphSpec | str | Path], config: ServerConfig | None = None) -> int:
+    """Serve until SIGTERM/SIGINT; the exit status (1 when the models failed to load)."""
+    config = config or ServerConfig()
+    app = create_app(graphs, config)
+    state: AppState = app.state.trae
+    server = TraeServer(_uvicorn_config(app, config), state)
+    state.on_load_failed = server.stop
+    server.run()
+    return 1 if state.load_error else 0
+
+
+class ServerThread:
+    """A real uvicorn server on a background thread (tests, notebooks, embedding)."""
+
+    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0):
+        self.app = app
+        self.state: AppState = app.state.trae
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.host, self.port = self._socket.getsockname()[:2]
+        config = _uvicorn_config(app, self.state.config, log_level="warning")
+        self.server = TraeServer(config, self.state)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> ServerThread:
+        """Start, and wait until models are loaded (raises if they fail or time runs out)."""
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.state.load_error or not self.thread.is_alive():
+                break
+            if self.state.ready and self.server.started:
+                break
+            time.sleep(0.02)
+        if not (self.state.ready and self.server.started):
+            self.stop()
+            raise RuntimeError(f"server did not get ready: {self.state.load_error or 'timeout'}")
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Drain and stop; returns once the server thread is gone (or timeout)."""
+        self.server.stop()
+        self.thread.join(timeout)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+__all__ = [
+    "AppState",
+    "ServerConfig",
+    "ServerThread",
+    "TraeServer",
+    "create_app",
+    "serve",
+]
