@@ -2,10 +2,16 @@
 
 torch's ``nn.Linear`` goes through MKL, which on these AMD cores reaches well under half of what
 oneDNN gets from a weight reordered once into its blocked layout (the path torch.compile's
-freezing uses). Decode-shaped matmuls run ~2-4x faster packed (see bench/linear.py), with logits
-within float rounding of the plain path. Packing is for inference only: the packed weight is an
+freezing uses). Measured with bench/linear.py on the benchmark model's 57 matmuls per decode
+step: ~1.6-1.8x faster at batch 1, ~2x at batch 32 (lm_head 2.2-2.7x), logits within float
+rounding of the plain path. Packing is for inference only: the packed weight is an
 opaque mkldnn tensor (no ``state_dict``, no ``.to()``, no autograd), so pack after loading and keep
 an unpacked instance where a reference path is needed.
+
+Contention caveat: oneDNN opens an OpenMP region per matmul. With OpenMP's default spin-waiting,
+a batch-1 step of ~56 small matmuls on 2 shared, oversubscribed cores measured 3-30x slower than
+uncontended (MKL suffered far less); ``OMP_WAIT_POLICY=PASSIVE`` in the environment before torch
+loads kept it at MKL's level or better. Uncontended, packed wins on whole decode steps.
 """
 
 from __future__ import annotations

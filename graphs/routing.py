@@ -129,3 +129,21 @@ class VersionedModel:
     def remove(self, version: str):
         self.router.remove_version(version)  # refuses while it still gets traffic
         return self.clients.pop(version)
+
+
+def with_weight(weights: Mapping[str, float], version: str, percent: float) -> dict[str, float]:
+    """Give ``version`` this share; the others keep their proportions of the rest
+    (``--version v2 --weight 100%`` completes a rollout)."""
+    if version not in weights:
+        raise RouteError(f"unknown version {version!r}; this model has {sorted(weights)}")
+    if not 0 <= percent <= 100:
+        raise RouteError(f"weight must be in [0, 100], got {percent:g}")
+    others = {v: w for v, w in weights.items() if v != version}
+    rest, total = 100.0 - percent, sum(others.values())
+    if rest > 0 and total == 0:
+        if not others:
+            raise RouteError(f"{version!r} is the only version: it takes 100%")
+        share = {v: rest / len(others) for v in others}  # nobody had traffic: split evenly
+    else:
+        share = {v: (w / total * rest if total else 0.0) for v, w in others.items()}
+    return {**share, version: float(percent)}

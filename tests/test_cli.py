@@ -245,11 +245,11 @@ def test_serve_health_bench_and_sigterm_drains_in_flight_requests(root, tmp_path
         assert bench.returncode == 0, bench.stderr
         assert json.loads(bench.stdout)["requests"] == 4
 
-        route = trae("model", "route", "support.yaml", "intent", "--url", url, "--token", "tok",
+        route = trae("model", "route", "intent", "--graph", "support.yaml", "--url", url, "--token", "tok",
                      cwd=root)  # fmt: skip
         assert route.returncode == 0, route.stderr
         assert json.loads(route.stdout)["route"] == {"default": 100.0}
-        wrong = trae("model", "route", "support", "intent", "--url", url, "--token", "x",
+        wrong = trae("model", "route", "intent", "--url", url, "--token", "x",
                      "--split", "default:100%", cwd=root)  # fmt: skip
         assert wrong.returncode == 1
         assert json.loads(wrong.stderr)["error"]["type"] == "Unauthorized"

@@ -513,6 +513,34 @@ def test_admin_sets_the_split_between_model_versions(client):
     assert missing.status_code == 404
 
 
+def test_admin_uploads_rolls_out_and_unloads_a_version(client, root, tmp_path):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    versions = "/admin/graphs/ab/models/intent/versions"
+    route = "/admin/graphs/ab/models/intent/route"
+    v3 = build_encoder(tmp_path / "intent3", "classify", ["greet", "order", "spam"], seed=3)
+    assert client.post(versions, json={"version": "v3", "path": str(v3)}).status_code == 401
+    missing = client.post(
+        versions, headers=auth, json={"version": "v3", "path": str(tmp_path / "no")}
+    )
+    assert missing.status_code == 422 and "no" in error_of(missing)["message"]
+    loaded = client.post(versions, headers=auth, json={"version": "v3", "path": str(v3)})
+    assert loaded.status_code == 200 and loaded.json()["route"]["v3"] == 0.0
+    try:
+        rollout = client.post(route, headers=auth, json={"version": "v3", "weight": "100%"})
+        assert rollout.json()["route"] == {"v1": 0.0, "v2": 0.0, "v3": 100.0}
+        run = client.post("/v1/graphs/ab", json={"inputs": {"text": "hello"}}).json()
+        assert run["versions"] == {"intent": "v3"}
+        busy = client.delete(versions + "/v3", headers=auth)
+        assert busy.status_code == 422 and "traffic" in error_of(busy)["message"]
+    finally:
+        client.post(route, headers=auth, json={"split": {"v1": 100}})
+    gone = client.delete(versions + "/v3", headers=auth)
+    assert gone.status_code == 200 and gone.json()["versions"] == ["v1", "v2"]
+    assert client.post("/v1/graphs/ab", json={"inputs": {"text": "hi"}}).json()["versions"] == {
+        "intent": "v1"
+    }
+
+
 # ---------------------------------------------------------------- a server of its own
 
 

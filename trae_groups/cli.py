@@ -297,28 +297,74 @@ def _cell(key: str, value: Any) -> str:
     return str(value)
 
 
-def cmd_model_route(args: argparse.Namespace) -> int:
-    """Show (or, with --split, set) a model's split between versions on a server."""
+def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None = None) -> int:
+    """One admin call to a running server; prints the answer (JSON), exit 1 on an error."""
     import httpx
 
-    graph = args.graph
-    if graph.endswith((".yaml", ".yml")) and Path(graph).is_file():
-        from trae_groups.graphs.loader import load_graph
-
-        graph = load_graph(graph).name
     token = args.token or os.environ.get("TRAE_ADMIN_TOKEN", "")
-    path = f"/admin/graphs/{graph}/models/{args.model}/route"
     with httpx.Client(base_url=args.url, timeout=args.timeout) as client:
-        headers = {"Authorization": f"Bearer {token}"}
-        if args.split is None:
-            response = client.get(path, headers=headers)
-        else:
-            response = client.post(path, headers=headers, json={"split": args.split})
+        graph = _graph_of(client, args)
+        if graph is None:
+            return 1
+        response = client.request(
+            method, path.format(graph=graph, model=args.model), json=body,
+            headers={"Authorization": f"Bearer {token}"},
+        )  # fmt: skip
     if response.status_code != 200:
         _print_error(response.json())
         return 1
     _print_json(response.json())
     return 0
+
+
+def _graph_of(client, args: argparse.Namespace) -> str | None:
+    """--graph (a name or a YAML file), else the one served graph that has the model."""
+    graph = args.graph
+    if graph and graph.endswith((".yaml", ".yml")) and Path(graph).is_file():
+        from trae_groups.graphs.loader import load_graph
+
+        return load_graph(graph).name
+    if graph:
+        return graph
+    served = client.get("/v1/graphs").json().get("graphs", [])
+    having = [g["name"] for g in served if args.model in g.get("models", [])]
+    if len(having) != 1:
+        where = f"graphs {having}" if having else "no served graph"
+        _print_error(
+            {
+                "error": {
+                    "type": "NotFound",
+                    "message": f"model '{args.model}' is in {where}: pass --graph",
+                }
+            }
+        )
+        return None
+    return having[0]
+
+
+def cmd_model_route(args: argparse.Namespace) -> int:
+    """Show, or change, a model's split between its versions on a running server."""
+    path = "/admin/graphs/{graph}/models/{model}/route"
+    if args.split is not None:
+        return _admin(args, "POST", path, {"split": args.split})
+    if args.version is not None:
+        if args.weight is None:
+            _print_error({"error": {"type": "BadRequest", "message": "--version needs --weight"}})
+            return 1
+        return _admin(args, "POST", path, {"version": args.version, "weight": args.weight})
+    return _admin(args, "GET", path)
+
+
+def cmd_model_upload(args: argparse.Namespace) -> int:
+    """Load a new version on a running server (0% of traffic until routed)."""
+    path = str(Path(args.path).expanduser().resolve())
+    body = {"version": args.version, "path": path}
+    return _admin(args, "POST", "/admin/graphs/{graph}/models/{model}/versions", body)
+
+
+def cmd_model_unload(args: argparse.Namespace) -> int:
+    """Unload a version that no route uses; its memory is freed."""
+    return _admin(args, "DELETE", "/admin/graphs/{graph}/models/{model}/versions/" + args.version)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -433,14 +479,32 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_options(info)
     info.set_defaults(run=cmd_model_info)
 
+    def admin_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("model", help="the model's name in its graph")
+        p.add_argument(
+            "--graph", default=None, help="graph name or YAML file (default: the one with MODEL)"
+        )
+        p.add_argument("--url", default="http://127.0.0.1:8000")
+        p.add_argument("--token", default=None, help="default: $TRAE_ADMIN_TOKEN")
+        p.add_argument("--timeout", type=float, default=300.0)
+
     route = model_sub.add_parser("route", help="show or set a model's split between versions")
-    route.add_argument("graph", help="the graph's name, or its YAML file")
-    route.add_argument("model")
-    route.add_argument("--split", help='e.g. "v1:90%%,v2:10%%" (omit to show the split)')
-    route.add_argument("--url", default="http://127.0.0.1:8000")
-    route.add_argument("--token", default=None, help="default: $TRAE_ADMIN_TOKEN")
-    route.add_argument("--timeout", type=float, default=30.0)
+    admin_options(route)
+    route.add_argument("--split", help='e.g. "v1:90%%, v2:10%%"')
+    route.add_argument("--version", help="with --weight: give one version this share")
+    route.add_argument("--weight", help='e.g. "100%%" (the others keep their proportions)')
     route.set_defaults(run=cmd_model_route)
+
+    upload = model_sub.add_parser("upload", help="load a new version on a running server")
+    admin_options(upload)
+    upload.add_argument("--version", required=True)
+    upload.add_argument("--path", required=True, help="the version's model folder")
+    upload.set_defaults(run=cmd_model_upload)
+
+    unload = model_sub.add_parser("unload", help="unload a version no route uses")
+    admin_options(unload)
+    unload.add_argument("--version", required=True)
+    unload.set_defaults(run=cmd_model_unload)
 
     health = sub.add_parser("health", help="is a server alive and ready? (exit 0 if ready)")
     health.add_argument("--url", default="http://127.0.0.1:8000")

@@ -37,7 +37,7 @@ from starlette.routing import Route
 from trae_groups import graph_api, openai_api
 from trae_groups.app_state import AppState, ServerConfig
 from trae_groups.graphs.loader import load_graph
-from trae_groups.graphs.routing import check_split, parse_split
+from trae_groups.graphs.routing import RouteError, check_split, parse_split, with_weight
 from trae_groups.graphs.spec import GraphSpec
 from trae_groups.http_errors import HTTPError, bad_request, error_response, not_found
 from trae_groups.http_io import read_json
@@ -109,13 +109,73 @@ async def route_model(request: Request) -> Response:
     if request.method == "POST":
         body = await read_json(request, state.config.max_body_bytes)
         split = body.get("split") if isinstance(body, dict) else None
+        version = body.get("version") if isinstance(body, dict) else None
+        if split is None and isinstance(version, str):  # {"version": "v2", "weight": 100}
+            weight = body.get("weight")
+            if isinstance(weight, str):
+                weight = weight.strip().rstrip("%")
+            try:
+                split = with_weight(versioned.router.weights, version, float(weight))
+            except (TypeError, ValueError) as exc:
+                if isinstance(exc, RouteError):
+                    raise
+                raise bad_request(
+                    "weight must be a percentage, e.g. 100 or '100%'", "weight"
+                ) from None
         if isinstance(split, str):
             split = parse_split(split)
         if not isinstance(split, dict):
-            raise bad_request('send {"split": "v1:90%,v2:10%"} or {"split": {"v1": 90}}', "split")
+            raise bad_request(
+                'send {"split": "v1:90%,v2:10%"}, {"split": {"v1": 90}} or {"version": "v2", "weight": 100}',
+                "split",
+            )
         versioned.router.set_weights(check_split(split, list(versioned.clients)))
         log.info("graph '%s' model '%s' split: %s", served.name, model, versioned.router.weights)
     return JSONResponse({"graph": served.name, "model": model, "route": versioned.router.weights})
+
+
+async def model_versions(request: Request) -> Response:
+    """POST ``{"version": "v3", "path": "/models/intent-v3"}``: load a version (0% of
+    traffic until a route gives it some). DELETE ``.../versions/{version}``: unload a
+    version no route uses, freeing its memory. A missing or corrupt folder is refused
+    (422) and the server keeps serving."""
+    state: AppState = request.app.state.trae
+    check_admin(request, state)
+    served = state.graph(request.path_params["name"])
+    state.require_ready()
+    model = request.path_params["model"]
+    versioned = served.executor.models.get(model)
+    if versioned is None:
+        raise not_found(f"graph '{served.name}' has no model '{model}'", field="model")
+    async with served.reload_lock:
+        if request.method == "DELETE":
+            version = request.path_params["version"]
+            await anyio.to_thread.run_sync(
+                state.runtime.remove_version, served.name, model, version
+            )
+            log.info("graph '%s' model '%s': unloaded version %s", served.name, model, version)
+        else:
+            body = await read_json(request, state.config.max_body_bytes)
+            version = body.get("version") if isinstance(body, dict) else None
+            path = body.get("path") if isinstance(body, dict) else None
+            if not isinstance(version, str) or not version:
+                raise bad_request('send {"version": "v3", "path": "/folder"}', "version")
+            if not isinstance(path, str) or not path:
+                raise bad_request('send {"version": "v3", "path": "/folder"}', "path")
+            await anyio.to_thread.run_sync(
+                state.runtime.add_version, served.name, model, version, path
+            )
+            log.info(
+                "graph '%s' model '%s': loaded version %s from %s",
+                served.name,
+                model,
+                version,
+                path,
+            )
+    return JSONResponse(
+        {"graph": served.name, "model": model, "versions": sorted(versioned.clients),
+         "route": versioned.router.weights}
+    )  # fmt: skip
 
 
 async def openapi(request: Request) -> Response:
@@ -160,6 +220,12 @@ def create_app(
         Route("/v1/graphs/{name}", graph_api.run_graph, methods=["POST"]),
         Route("/admin/graphs/{name}/reload", reload_graph, methods=["POST"]),
         Route("/admin/graphs/{name}/models/{model}/route", route_model, methods=["GET", "POST"]),
+        Route("/admin/graphs/{name}/models/{model}/versions", model_versions, methods=["POST"]),
+        Route(
+            "/admin/graphs/{name}/models/{model}/versions/{version}",
+            model_versions,
+            methods=["DELETE"],
+        ),
         *openai_api.routes(),
     ]
     app = Starlette(

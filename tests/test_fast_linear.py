@@ -1,0 +1,161 @@
+"""Packed oneDNN linears must be a drop-in for nn.Linear on real transformers models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    Qwen3Config,
+)
+
+from trae_groups.engine.fast_linear import (
+    PackedLinear,
+    fast_linear_available,
+    pack_linears,
+    packable_dtypes,
+)
+
+pytestmark = pytest.mark.skipif(not fast_linear_available(), reason="needs oneDNN (mkldnn)")
+
+TINY = dict(
+    vocab_size=1000,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+)
+
+
+def _config(arch: str, tied: bool):
+    if arch == "qwen3":
+        return Qwen3Config(**TINY, tie_word_embeddings=tied)
+    return LlamaConfig(**TINY, tie_word_embeddings=tied)
+
+
+def _n_linears(model: nn.Module) -> int:
+    return len({id(m) for m in model.modules() if type(m) is nn.Linear})
+
+
+@pytest.fixture(scope="module", params=[("qwen3", True), ("qwen3", False), ("llama", False)])
+def model_pair(request, tmp_path_factory):
+    """A tiny random model saved and reloaded twice: one plain reference, one packed."""
+    arch, tied = request.param
+    torch.manual_seed(0)
+    built = AutoModelForCausalLM.from_config(_config(arch, tied))
+    path = tmp_path_factory.mktemp(f"{arch}_tied{tied}")
+    built.save_pretrained(path)
+    plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    packed = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = _n_linears(packed)
+    n = pack_linears(packed)
+    return plain, packed, n, expected, tied
+
+
+def test_every_linear_packed_including_lm_head(model_pair):
+    _, packed, n, expected, _ = model_pair
+    # 7 projections per layer x 2 layers + lm_head.
+    assert n == expected == 15
+    assert isinstance(packed.lm_head, PackedLinear)
+    assert _n_linears(packed) == 0
+
+
+def test_input_embedding_intact(model_pair):
+    plain, packed, _, _, tied = model_pair
+    emb = packed.get_input_embeddings()
+    assert isinstance(emb, nn.Embedding)
+    assert torch.equal(emb.weight, plain.get_input_embeddings().weight)
+    if tied:
+        assert torch.equal(plain.lm_head.weight, emb.weight)
+
+
+@pytest.mark.parametrize("seq_len", [1, 7, 33])
+def test_logits_match_plain(model_pair, seq_len):
+    plain, packed, *_ = model_pair
+    ids = torch.randint(0, 1000, (1, seq_len), generator=torch.Generator().manual_seed(seq_len))
+    with torch.no_grad():
+        want = plain(ids).logits
+        got = packed(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_logits_match_batched_left_padding(model_pair):
+    plain, packed, *_ = model_pair
+    ids = torch.randint(1, 1000, (3, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[1, :1] = 0
+    with torch.no_grad():
+        want = plain(ids, attention_mask=mask).logits
+        got = packed(ids, attention_mask=mask).logits
+    torch.testing.assert_close(got[mask.bool()], want[mask.bool()], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_generate_equal(model_pair):
+    plain, packed, *_ = model_pair
+    cfg = GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    gen = torch.Generator().manual_seed(2)
+    for length in (5, 17, 40):
+        ids = torch.randint(1, 1000, (1, length), generator=gen)
+        want = plain.generate(ids, generation_config=cfg)
+        got = packed.generate(ids, generation_config=cfg)
+        assert got.shape == (1, length + 20)
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 31, 64, 65, 512])
+def test_packed_linear_any_row_count(rows):
+    torch.manual_seed(rows)
+    lin = nn.Linear(48, 80)
+    packed = PackedLinear.from_linear(lin)
+    x = torch.randn(rows, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), lin(x), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(packed(x[None]), lin(x[None]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hint", [None, 1, 8, 512])
+def test_batch_hint_does_not_change_results(hint):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 40, bias=False)
+    packed = PackedLinear.from_linear(lin, batch_hint=hint)
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), lin(x), atol=1e-5, rtol=1e-5)
+
+
+def test_shared_linear_packed_once():
+    lin = nn.Linear(8, 8)
+    model = nn.Sequential(lin, nn.ReLU(), lin)
+    assert pack_linears(model) == 1
+    assert model[0] is model[2]
+    assert isinstance(model[0], PackedLinear)
+
+
+def test_unsupported_dtype_left_plain():
+    model = nn.Sequential(nn.Linear(8, 8).double(), nn.Linear(8, 8))
+    assert pack_linears(model) == 1
+    assert type(model[0]) is nn.Linear
+    assert isinstance(model[1], PackedLinear)
+
+
+def test_wrong_input_dtype_raises():
+    packed = PackedLinear.from_linear(nn.Linear(8, 8))
+    with pytest.raises(TypeError):
+        packed(torch.randn(2, 8, dtype=torch.float64))
+
+
+@pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="CPU lacks oneDNN bf16")
+def test_bf16_packed_matches_plain_bf16():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96).to(torch.bfloat16)
+    packed = PackedLinear.from_linear(lin)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x).float(), lin(x).float(), atol=2e-2, rtol=2e-2)
