@@ -353,7 +353,9 @@ def test_heads_on_one_backbone_share_a_worker_and_run_it_once(model_dirs, tmp_pa
     classifier_dir = model_dirs["intent"]
     from transformers import BertModel
 
-    tagger.bert.load_state_dict(BertModel.from_pretrained(classifier_dir).state_dict(), strict=False)
+    tagger.bert.load_state_dict(
+        BertModel.from_pretrained(classifier_dir).state_dict(), strict=False
+    )
     shared_ner = tmp_path / "shared_ner"
     tagger.save_pretrained(shared_ner)
     for f in model_dirs["ner"].glob("*"):
