@@ -19,7 +19,7 @@ def engine_for(model_dir: str) -> LLMEngine:
             max_num_batched_tokens=int(os.environ.get("TRAE_BENCH_BATCH_TOKENS", "1024")),
             fast_linear=os.environ.get("TRAE_BENCH_FAST_LINEAR", "1") == "1",
         )
-        engine = LLMEngine({"bench": model_dir}, config).start()
+        engine = LLMEngine({"bench": model_dir}, config)  # generate() steps in this thread
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         _engines[model_dir] = engine
     return _engines[model_dir]

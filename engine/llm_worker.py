@@ -138,6 +138,12 @@ class LLMWorker(Worker):
             self._inbox.append(seq)
         self.wake()
 
+    @property
+    def idle(self) -> bool:
+        """No queued submissions or aborts left to take."""
+        with self._lock:
+            return not self._inbox and not self._aborts
+
     def abort(self, request_id: str) -> None:
         with self._lock:
             if request_id not in self._live:

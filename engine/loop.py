@@ -135,6 +135,13 @@ class EngineLoop:
         self.steps += 1
         return True
 
+    def run_until(self, finished: Callable[[], bool]) -> None:
+        """Step in the calling thread until ``finished()`` (the loop thread is not running)."""
+        while not finished():
+            if not self.run_once():
+                wait = self._sleep_time(time.monotonic())
+                time.sleep(min(wait if wait is not None else 0.001, 0.01))
+
     def _run(self) -> None:
         while not self._stop:
             try:

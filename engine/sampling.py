@@ -44,9 +44,15 @@ class SamplingParams:
             ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
             (
                 "top_k",
-                isinstance(self.top_k, int) and self.top_k >= 0,
-                "must be an integer >= 0 (0 = off)",
+                isinstance(self.top_k, int) and 0 <= self.top_k < 2**31,
+                "must be an integer in [0, 2^31) (0 = off)",
             ),
+            (
+                "seed",
+                self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+                "must be an integer in [0, 2^63)",
+            ),
+            ("max_tokens", self.max_tokens < 2**31, "must be below 2^31"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("min_p", 0.0 <= self.min_p < 1.0, "must be in [0, 1)"),
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),

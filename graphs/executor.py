@@ -63,6 +63,9 @@ class NodeRecord:
     finished: float | None = None
     error: str | None = None
     reason: str | None = None
+    usage: dict = field(
+        default_factory=dict
+    )  # generate nodes: tokens, prompt_tokens, finish_reason
 
     @property
     def ms(self) -> float | None:
@@ -214,6 +217,8 @@ class GraphExecutor:
                 raise GraphTimeout(name, node.timeout) from None
             request.context[name] = value
             record.status = "ok"
+            if isinstance(node, GenerateNode):
+                record.usage = {k: value[k] for k in ("tokens", "prompt_tokens", "finish_reason")}
         except Exception as exc:
             self._handle_failure(request, name, exc)
         finally:
@@ -221,9 +226,8 @@ class GraphExecutor:
                 record.status = "cancelled"
             record.finished = time.perf_counter() if record.started else None
             if record.status != "skipped" and record.started is not None:
-                request.emit(
-                    Event("node_finished", {"node": name, "status": record.status, "ms": record.ms})
-                )
+                data = {"node": name, "status": record.status, "ms": record.ms, **record.usage}
+                request.emit(Event("node_finished", data))
             request.done[name].set()
 
     def _skip(self, request: _Request, name: str) -> bool:

@@ -231,10 +231,13 @@ class ModelRuntime:
         backbones hold the very same tensors (the weight store dedupes them) share a
         worker, so for a text that several heads need the backbone runs once."""
         groups: list[tuple[set[int], list]] = []  # backbone tensor pointers, members
+        seen: set[tuple] = set()
         for name, version, spec, path in wanted:
             dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
-            if (str(Path(path).resolve()), spec.task, dtype) in self._by_key:
-                continue  # already served: _acquire shares it
+            key = (str(Path(path).resolve()), spec.task, dtype)
+            if key in self._by_key or key in seen:
+                continue  # already served (or listed twice): _acquire shares it
+            seen.add(key)
             head = self._free_name(name if version == "default" else f"{name}@{version}")
             loaded = self.store.load(
                 path, spec.task, dtype=dtype, device=self.config.device, name=head

@@ -271,3 +271,15 @@ def test_submit_to_a_stopped_engine(llama_dir):
     eng = LLMEngine({"m": llama_dir}, EngineConfig(pool_bytes=1 << 20, fast_linear=False))
     with pytest.raises(EngineStopped):
         eng.submit([1, 2, 3], sink=lambda out: None)
+
+
+def test_generate_steps_inline_when_the_loop_is_not_running(llama_dir):
+    eng = LLMEngine({"m": llama_dir}, EngineConfig(pool_bytes=8 << 20, fast_linear=False))
+    assert not eng.loop.running
+    ps = prompts(n=6, seed=21)
+    outs = eng.generate(ps, SamplingParams(max_tokens=MAX_NEW))
+    assert not eng.loop.running and eng.pool.stats().used_pages == 0
+    assert_parity(llama_dir, outs, ps)
+    with pytest.raises(RequestError):
+        eng.generate([[5, 6], []], SamplingParams(max_tokens=4))  # the bad one refuses the batch
+    assert eng.pool.stats().used_pages == 0 and not eng.llms["m"].scheduler.has_work()

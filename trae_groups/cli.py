@@ -400,6 +400,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args.graphs, config)
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    from trae_groups.demo.run import run_demo
+
+    return run_demo(args.host, args.port, example=not args.no_example)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from trae_groups import loadgen
     from trae_groups.graphs.loader import load_graph
@@ -446,6 +452,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--admin-token", default=None, help="default: $TRAE_ADMIN_TOKEN")
     _engine_options(serve)
     serve.set_defaults(run=cmd_serve)
+
+    demo = sub.add_parser("demo", help="prepare and serve the embedded support demo")
+    demo.add_argument("--host", default="127.0.0.1")
+    demo.add_argument("--port", type=int, default=8000)
+    demo.add_argument("--no-example", action="store_true", help="do not send the example request")
+    demo.set_defaults(run=cmd_demo)
 
     run = sub.add_parser("run", help="run a graph once in this process; print the result")
     run.add_argument("graph", metavar="GRAPH.yaml")

@@ -381,7 +381,15 @@ class _GraphCall:
         self.state.record(served, start, outcome["result"])
         text, sent = outcome["result"].outputs.get(self.target.output) or "", "".join(streamed)
         rest = text[len(sent) :] if text.startswith(sent) else ""
-        await on_piece(_Piece(rest, "stop", 0, clock.tokens.get(node, 0)))
+        usage = outcome["result"].nodes[node].usage
+        await on_piece(
+            _Piece(
+                rest,
+                "length" if usage.get("finish_reason") == "length" else "stop",
+                usage.get("prompt_tokens", 0),
+                usage.get("tokens", clock.tokens.get(node, 0)),
+            )
+        )
 
 
 # ---------------------------------------------------------------- responses

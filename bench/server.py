@@ -1,0 +1,130 @@
+"""Server overhead: the same graph and load over HTTP and in process, in one run.
+
+A graph of tiny models (classifier → tagger → a 4-token LLM reply) is served by
+`trae serve` in a subprocess on 127.0.0.1; 64 concurrent clients send it requests
+over HTTP with httpx. Then the same load runs in process through the executor.
+Server overhead per request = p50 over HTTP − p50 in process (HTTP parsing,
+validation, JSON, the client's own cost). Medians of --runs.
+
+    python bench/server.py [--clients 64] [--requests 640] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from conftest import build_encoder, build_llm  # noqa: E402
+from trae_groups import loadgen  # noqa: E402
+from trae_groups.engine import EngineConfig  # noqa: E402
+from trae_groups.graphs.loader import load_graph  # noqa: E402
+from trae_groups.graphs.runtime import ModelRuntime  # noqa: E402
+
+GRAPH = """
+name: tiny
+models:
+  intent: {{source: {root}/intent, task: classify, max_queue_delay_ms: 2}}
+  ner: {{source: {root}/ner, task: tag, max_queue_delay_ms: 2}}
+  dialog: {{source: {root}/dialog, task: generate}}
+inputs: {{text: str}}
+nodes:
+  intent: {{model: intent, input: "{{{{ inputs.text }}}}"}}
+  entities: {{model: ner, input: "{{{{ inputs.text }}}}"}}
+  reply:
+    model: dialog
+    prompt: "{{{{ intent.label }}}}: {{{{ inputs.text }}}}"
+    params: {{max_tokens: 4, temperature: 0}}
+outputs: {{intent: intent.label, reply: reply.text}}
+"""
+INPUTS = {"text": "hello where is my order to paris"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError("server not ready")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=640)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    root = Path(tempfile.mkdtemp(prefix="trae-server-bench-"))
+    build_encoder(root / "intent", "classify", ["greet", "order", "spam"])
+    build_encoder(root / "ner", "tag", ["O", "B-LOC", "I-LOC"], seed=1)
+    build_llm(root / "dialog", "llama")
+    graph = root / "tiny.yaml"
+    graph.write_text(GRAPH.format(root=root))
+    load = loadgen.Load(args.clients, args.requests)
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "trae_groups.cli", "serve", str(graph), "--port", str(port),
+         "--log-level", "warning"], env=env,
+    )  # fmt: skip
+    try:
+        wait_ready(url)
+        asyncio.run(loadgen.over_http(loadgen.Load(8, 32), url, "tiny", INPUTS, 60))  # warm-up
+        http = [
+            asyncio.run(loadgen.over_http(load, url, "tiny", INPUTS, 120)) for _ in range(args.runs)
+        ]
+    finally:
+        server.terminate()
+        server.wait(60)
+
+    spec = load_graph(graph)
+    runtime = ModelRuntime.for_specs([spec], EngineConfig(pool_bytes=64 << 20))
+    executor = runtime.bind(spec)
+    runtime.start()
+    asyncio.run(loadgen.in_process(loadgen.Load(8, 32), executor, INPUTS))  # warm-up
+    local = [asyncio.run(loadgen.in_process(load, executor, INPUTS)) for _ in range(args.runs)]
+    runtime.shutdown()
+
+    def med(reports, key):
+        return statistics.median(r[key] for r in reports)
+
+    print(
+        f"{args.clients} concurrent clients, {args.requests} requests per run, medians of {args.runs}"
+    )
+    for label, reports in (("over HTTP", http), ("in process", local)):
+        errors = sum(r["errors"] for r in reports)
+        print(f"  {label:10s}: {med(reports, 'throughput_rps'):7.1f} req/s   p50 {med(reports, 'p50_ms'):7.2f} ms"
+              f"   p99 {med(reports, 'p99_ms'):7.2f} ms   errors {errors}")  # fmt: skip
+    overhead = med(http, "p50_ms") - med(local, "p50_ms")
+    print(
+        f"  server overhead per request (p50 HTTP − p50 in process): {overhead:.2f} ms (target <= 2 ms)"
+    )
+
+
+if __name__ == "__main__":
+    main()
