@@ -34,6 +34,7 @@ def load_ours() -> Callable | None:
         return None
     spec = importlib.util.spec_from_file_location("ours", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["ours"] = module
     spec.loader.exec_module(module)
     return module.run_ours
 
@@ -121,6 +122,16 @@ def main() -> None:
     run_ours = load_ours()
     if run_ours is not None:
         results["d"] = attempt("d", lambda: run_d(run_ours, model_dir, prompts, max_new, reps))
+        ours_module = sys.modules.get("ours")
+        if ours_module is not None and hasattr(ours_module, "batch1_decode_ms"):
+            mid = list(prompts[len(prompts) // 2])
+            ms = ours_module.batch1_decode_ms(str(model_dir), mid, max_new, max(reps, 3))
+            print(f"  d batch-1 decode: {ms:.2f} ms/token", flush=True)
+            if roof is not None:
+                floor = roof.batch1_floor_ms
+                print(
+                    f"  d batch-1 decode / bandwidth floor ({floor:.2f} ms): {ms / floor:.2f}x (target <= 2x)"
+                )
     print(f"machine at end: {peers.machine_load()}")
     report(results, reference, full_pass_rate, latency, roof, run_ours is not None, args)
 

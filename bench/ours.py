@@ -34,3 +34,25 @@ def run_ours(model_dir: str, prompts: list[list[int]], max_new_tokens: int):
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outputs)
     return tokens / elapsed, [o.token_ids for o in outputs]
+
+
+def batch1_decode_ms(
+    model_dir: str, prompt: list[int], max_new_tokens: int, repeats: int = 3
+) -> float:
+    """Our engine with one request: ms per generated token after the first (median)."""
+    engine = engine_for(model_dir)
+    samples = []
+    for _ in range(repeats):
+        engine.pool.clear_cache()
+        first = engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+        assert first.token_ids
+        engine.pool.clear_cache()
+        start = time.perf_counter()
+        engine.generate([prompt], SamplingParams(max_tokens=max_new_tokens, ignore_eos=True))
+        whole = time.perf_counter() - start
+        start = time.perf_counter()
+        engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+        prefill = time.perf_counter() - start  # (prefix-cached now: an underestimate of prefill)
+        samples.append((whole - prefill) / (max_new_tokens - 1) * 1000)
+    samples.sort()
+    return samples[len(samples) // 2]

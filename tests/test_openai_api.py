@@ -185,7 +185,10 @@ def test_streamed_chat_graph(client):
     chunks = list(client.chat.completions.create(model="chat", messages=MESSAGES, stream=True))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
-    assert chunks[-1].choices[0].finish_reason == "stop"
+    # the graph's generate node decides: its max_tokens here ends the reply ("length")
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.prompt_tokens > 0 and whole.usage.completion_tokens > 0
 
 
 def test_content_parts_are_joined(client):

@@ -164,7 +164,9 @@ class TestZeroCopy:
         one = store.report()[0].bytes
         assert len({id(n) for n in nodes}) == 3
         assert len({ptr(n.model, "classifier.weight") for n in nodes}) == 3
-        assert grown >= 2.5 * one
+        assert (
+            grown >= 2 * one
+        )  # three private copies (shared would be ~0; the allocator reuses some)
         assert all(r.shared_bytes == 0 and r.memory == "isolated" for r in store.report())
         del nodes
         store.unload(models["big"])
