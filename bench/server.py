@@ -89,8 +89,8 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen(
-        [sys.executable, "-m", "trae_groups.cli", "serve", str(graph), "--port", str(port),
-         "--log-level", "warning"], env=env,
+        [sys.executable, "-m", "trae_groups.cli", "--log-level", "warning", "serve", str(graph),
+         "--port", str(port)], env=env,
     )  # fmt: skip
     try:
         wait_ready(url)
