@@ -35,6 +35,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from peers import collect_results
+
 # ~1.1B parameters: Llama-3.2-1B's shape with a 32k vocabulary and an untied head
 LLAMA_1B = dict(
     vocab_size=32000,
@@ -408,12 +411,12 @@ def run_cb(folder: Path, prompts, max_new: int, repeats: int) -> dict:
     mgr.start()
     try:
         warm = mgr.add_requests(inputs=[list(p) for p in prompts[:4]], max_new_tokens=4)
-        _collect(mgr, warm)
+        collect_results(mgr, warm, 300.0)
         samples, outputs = [], None
         for _ in range(repeats):
             start = time.perf_counter()
             ids = mgr.add_requests(inputs=[list(p) for p in prompts], max_new_tokens=max_new)
-            got = _collect(mgr, ids)
+            got = collect_results(mgr, ids, 300.0)
             tokens = sum(len(t) for t in got.values())
             samples.append(tokens / (time.perf_counter() - start))
             outputs = [got[i] for i in ids]
@@ -429,24 +432,6 @@ def run_cb(folder: Path, prompts, max_new: int, repeats: int) -> dict:
             mgr.destroy()
         del model, mgr
         free_cuda()
-
-
-def _collect(mgr, request_ids, timeout_s: float = 300.0) -> dict[str, list[int]]:
-    want, got = set(request_ids), {}
-    deadline = time.monotonic() + timeout_s
-    while want - got.keys():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{len(want - got.keys())} CB requests unfinished")
-        result = mgr.get_result(timeout=1.0)
-        if result is None:
-            if not mgr.is_running():
-                raise RuntimeError("continuous batching thread died")
-            continue
-        if result.error:
-            raise RuntimeError(f"CB request failed: {result.error}")
-        if result.is_finished() and result.request_id in want:
-            got[result.request_id] = list(result.generated_tokens)
-    return got
 
 
 def agreement(a: list[list[int]] | None, b: list[list[int]] | None, n: int = 8) -> float | None:

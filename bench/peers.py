@@ -227,7 +227,7 @@ def cb_config() -> transformers.ContinuousBatchingConfig:
     )
 
 
-def _collect(mgr, request_ids: list[str], timeout_s: float) -> dict[str, list[int]]:
+def collect_results(mgr, request_ids: list[str], timeout_s: float) -> dict[str, list[int]]:
     """Wait for every request of one round; fail loudly rather than hang or drop one."""
     want, got = set(request_ids), {}
     deadline = time.monotonic() + timeout_s
@@ -265,12 +265,12 @@ def cb_manager(
     mgr.start()
     try:
         warm = mgr.add_requests(inputs=inputs[:2], max_new_tokens=2)
-        _collect(mgr, warm, timeout_s)
+        collect_results(mgr, warm, timeout_s)
         samples, outputs = [], None
         for _ in range(repeats):
             start = time.perf_counter()
             ids = mgr.add_requests(inputs=inputs, max_new_tokens=max_new_tokens)
-            got = _collect(mgr, ids, timeout_s)
+            got = collect_results(mgr, ids, timeout_s)
             samples.append(len(inputs) * max_new_tokens / (time.perf_counter() - start))
             outputs = [got[i] for i in ids]
     finally:
