@@ -65,7 +65,10 @@ class LLMEngine:
         models: Mapping[str, str | Path] | Sequence[str | Path] = (),
         config: EngineConfig | None = None,
         store: WeightStore | None = None,
+        reserve_for: Sequence[str | Path] = (),
     ):
+        """``reserve_for``: folders of LLMs to be added later (``add_llm``); pages are
+        sized for the largest of them and ``models``."""
         self.config = config or EngineConfig()
         self.store = store or WeightStore()
         if self.config.num_threads:
@@ -74,7 +77,8 @@ class LLMEngine:
         self.loop = EngineLoop(policy=self.config.scheduling)
         self.backend = select_backend(self.config.device, self.config.attention_backend)
         named = _named(models)
-        layouts = [kv_layout(read_config(p), self.config.torch_dtype) for p in named.values()]
+        paths = [*named.values(), *(str(p) for p in reserve_for)]
+        layouts = [kv_layout(read_config(p), self.config.torch_dtype) for p in paths]
         self.pool = self._make_pool(layouts)
         self.llms: dict[str, LLMWorker] = {}
         self._request_owner: dict[str, Worker] = {}

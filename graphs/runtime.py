@@ -19,9 +19,9 @@ from typing import Any
 from trae_groups.engine.batcher import BatcherConfig
 from trae_groups.engine.config import DTYPES, EngineConfig
 from trae_groups.engine.encoder_worker import EncoderWorker
-from trae_groups.engine.engine import LLMEngine, read_config
+from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.errors import ModelLoadError
-from trae_groups.engine.llm_runner import ATTN_NAME, kv_layout
+from trae_groups.engine.llm_runner import ATTN_NAME
 from trae_groups.engine.llm_worker import LLMWorker
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.weights import SharingPolicy, WeightStore
@@ -101,19 +101,9 @@ class ModelRuntime:
     ):
         self.config = config or EngineConfig()
         self.store = WeightStore(policy=sharing or SharingPolicy())
-        self.engine = LLMEngine((), self._sized([str(p) for p in reserve_for]), store=self.store)
+        self.engine = LLMEngine((), self.config, store=self.store, reserve_for=reserve_for)
         self._by_key: dict[tuple, _Loaded] = {}
         self.graphs: dict[str, GraphExecutor] = {}
-
-    def _sized(self, llm_paths: list[str]) -> EngineConfig:
-        """Pages sized for the largest LLM that will be served."""
-        if self.config.page_bytes is not None or not llm_paths:
-            return self.config
-        biggest = max(
-            kv_layout(read_config(p), self.config.torch_dtype).bytes_per_token for p in llm_paths
-        )
-        page = -(-biggest * self.config.tokens_per_page // 64) * 64
-        return dataclasses.replace(self.config, page_bytes=page)
 
     @classmethod
     def for_specs(cls, specs: list[GraphSpec], config: EngineConfig | None = None) -> ModelRuntime:
