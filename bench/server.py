@@ -2,7 +2,8 @@
 
 A graph of tiny models (classifier → tagger → a 4-token LLM reply) is served by
 `trae serve` in a subprocess on 127.0.0.1; 64 concurrent clients send it requests
-over HTTP with httpx. Then the same load runs in process through the executor.
+over HTTP (aiohttp, as `trae bench --url` does). Then the same load runs in process
+through the executor.
 Server overhead per request = p50 over HTTP − p50 in process (HTTP parsing,
 validation, JSON, the client's own cost). Medians of --runs.
 

@@ -95,7 +95,12 @@ class LLMWorker(Worker):
                 raise RequestError(
                     "prompt", f"model {self.name!r} has no tokenizer; send token ids"
                 )
-            return self.tokenizer.encode(prompt, add_special_tokens=False) if prompt else []
+            if not prompt:
+                return []
+            backend = getattr(self.tokenizer, "backend_tokenizer", None)
+            if backend is not None:  # the Rust tokenizer itself: a third of the cost per prompt
+                return backend.encode(prompt, add_special_tokens=False).ids
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
         return list(prompt)
 
     def submit(

@@ -237,6 +237,9 @@ class CompiledGraph:
     generations: tuple[tuple[str, ...], ...]
     order: tuple[str, ...]
     templates: Mapping[str, NodeTemplates]
+    _needed: dict[tuple[str, ...] | None, frozenset[str]] = field(
+        default_factory=dict, repr=False
+    )
 
     @property
     def roots(self) -> tuple[str, ...]:
@@ -262,13 +265,18 @@ class CompiledGraph:
         return None if root == "inputs" else root
 
     def needed_for(self, outputs: Iterable[str] | None = None) -> frozenset[str]:
-        """The nodes that must run to produce these outputs (all outputs by default)."""
-        needed: set[str] = set()
-        for output in self.spec.outputs if outputs is None else outputs:
-            node = self.output_node(output)
-            if node is not None:
-                needed |= {node} | nx.ancestors(self.dag, node)
-        return frozenset(needed)
+        """The nodes that must run to produce these outputs (all outputs by default).
+        Asked once per request, so each set of outputs is worked out once."""
+        key = None if outputs is None else tuple(outputs)
+        needed = self._needed.get(key)
+        if needed is None:
+            found: set[str] = set()
+            for output in self.spec.outputs if key is None else key:
+                node = self.output_node(output)
+                if node is not None:
+                    found |= {node} | nx.ancestors(self.dag, node)
+            needed = self._needed[key] = frozenset(found)
+        return needed
 
     def outputs(self, context: Mapping[str, Any], names: Iterable[str] | None = None) -> dict:
         """Output values from a finished context; outputs of skipped nodes are None."""

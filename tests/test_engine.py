@@ -238,6 +238,21 @@ def test_text_prompts_and_logprobs(llama_dir):
     assert all(len(t) == 3 for t in out.top_logprobs)
 
 
+def test_text_prompts_tokenize_as_transformers_does(llama_dir):
+    """The engine encodes with the Rust tokenizer directly; it must match ``encode``."""
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+    texts = [
+        "hello world",
+        "<s>user: where is my order?</s>\n<s>assistant:",
+        "  leading and trailing spaces \t\n\n",
+        "caf\u00e9 \U0001f600 \u65e5\u672c\u8a9e",
+    ]
+    with engine({"m": llama_dir}) as eng:
+        outs = eng.generate(texts, SamplingParams(max_tokens=1, ignore_eos=True))
+    for text, out in zip(texts, outs, strict=True):
+        assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False), text
+
+
 def test_bad_requests_are_refused_before_any_work(llama_dir):
     with engine({"m": llama_dir}) as eng:
         cases = [

@@ -165,3 +165,20 @@ def test_lone_surrogates_are_a_bad_request(server):
     body = b'{"inputs": {"text": "\\ud800"}}'
     response = httpx.post(f"{server.url}/v1/graphs/support", content=body)
     assert response.status_code == 400
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"inputs": {"text": "\xed\xa0\x80"}}', b'{"inputs": {"text": "caf\xe9"}}'],
+    ids=["encoded-surrogate", "latin-1"],
+)
+def test_a_body_that_is_not_utf8_is_a_bad_request(server, body):
+    response = httpx.post(f"{server.url}/v1/graphs/support", content=body)
+    assert response.status_code == 400
+    assert "UTF-8" in response.json()["error"]["message"]
+
+
+def test_a_utf8_body_with_escapes_and_a_bom_is_read(server):
+    body = '\ufeff{"inputs": {"text": "caf\\u00e9 \\ud83d\\ude00 ok"}}'.encode()
+    response = httpx.post(f"{server.url}/v1/graphs/support", content=body)
+    assert response.status_code == 200, response.text

@@ -41,8 +41,13 @@ async def read_json(request: Request, limit: int) -> Any:
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
-        data = json.loads(body)
-        json.dumps(data, ensure_ascii=False).encode("utf-8")  # no lone surrogates ("\\ud800")
+        text = body.decode("utf-8-sig")  # strict: JSON on the wire is UTF-8 (RFC 8259)
+    except UnicodeDecodeError:
+        raise bad_request("the body is not UTF-8 text") from None
+    try:
+        data = json.loads(text)
+        if "\\u" in text:  # only an escape can smuggle in a lone surrogate ("\\ud800")
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
         raise bad_request("the body holds text that is not valid Unicode") from None
     except (ValueError, RecursionError) as exc:

@@ -282,6 +282,14 @@ class TraeServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        log.info(
+            "HTTP: event loop %s, parser %s",
+            type(self._loop).__module__.partition(".")[0],
+            getattr(self.config, "http_protocol_class", type(None)).__name__,
+        )
+
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._stopping:
             self.should_exit = self.force_exit = True
