@@ -237,9 +237,7 @@ class CompiledGraph:
     generations: tuple[tuple[str, ...], ...]
     order: tuple[str, ...]
     templates: Mapping[str, NodeTemplates]
-    _needed: dict[tuple[str, ...] | None, frozenset[str]] = field(
-        default_factory=dict, repr=False
-    )
+    _needed: dict[tuple[str, ...] | None, frozenset[str]] = field(default_factory=dict, repr=False)
 
     @property
     def roots(self) -> tuple[str, ...]:
