@@ -7,11 +7,24 @@ import importlib.util
 import json
 import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from trae_groups.demo import data
 from trae_groups.demo.data import ENTITIES, INTENTS, NER_LABELS, make_dataset, render
+
+
+def test_the_demo_graph_ships_in_the_package_and_validates(tmp_path, monkeypatch):
+    from trae_groups.demo.run import graph_file
+    from trae_groups.graphs.loader import load_graph
+
+    path = graph_file()
+    assert path.parent == Path(data.__file__).parent  # installed with trae_groups.demo
+    monkeypatch.setenv("TRAE_DEMO_DIR", str(tmp_path))
+    spec = load_graph(path)
+    assert spec.name == "support" and set(spec.outputs) == {"intent", "entities", "reply"}
+    assert spec.model_path("dialog") == tmp_path / "dialog"
 
 
 def test_same_seed_same_data_other_seed_other_data():

@@ -16,10 +16,10 @@ EXAMPLE = "Hi, my order 48213 for a desk lamp has not arrived in Porto yet. Wher
 
 
 def graph_file() -> Path:
-    """The demo graph of this checkout (examples/support/graph.yaml)."""
-    path = Path(__file__).resolve().parents[2] / "examples" / "support" / "graph.yaml"
+    """The demo graph, installed with the package (no source checkout needed)."""
+    path = Path(__file__).with_name("support.yaml")
     if not path.is_file():
-        raise DemoSetupError(f"the demo graph is missing: {path} (run from a source checkout)")
+        raise DemoSetupError(f"the demo graph is missing: {path} (reinstall trae-groups)")
     return path
 
 
