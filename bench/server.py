@@ -5,7 +5,11 @@ A graph of tiny models (classifier → tagger → a 4-token LLM reply) is served
 over HTTP (aiohttp, as `trae bench --url` does). Then the same load runs in process
 through the executor.
 Server overhead per request = p50 over HTTP − p50 in process (HTTP parsing,
-validation, JSON, the client's own cost). Medians of --runs.
+validation, JSON, the client's own cost), at --clients and at one client. CPU time
+per request is reported for the server process, the client and the in-process run:
+on a machine where the engine already keeps every core busy, each extra CPU
+millisecond of HTTP work per request shows up, multiplied by the queue, in a
+closed-loop p50. Medians of --runs.
 
     python bench/server.py [--clients 64] [--requests 640] [--runs 3]
 """
@@ -21,7 +25,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -71,6 +77,27 @@ def wait_ready(url: str, timeout: float = 120) -> None:
     raise RuntimeError("server not ready")
 
 
+def process_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system) a process has used; None off Linux."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(run: Coroutine[Any, Any, dict], server_pid: int | None = None) -> dict:
+    """One run's report plus CPU ms per request: this process's (the client, or the
+    whole in-process stack) and the server process's."""
+    cpu, server = time.process_time(), server_pid and process_cpu(server_pid)
+    report = asyncio.run(run)
+    n = max(1, report["requests"])
+    report["cpu_ms"] = (time.process_time() - cpu) * 1000 / n
+    if server_pid and server is not None:
+        report["server_cpu_ms"] = (process_cpu(server_pid) - server) * 1000 / n
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=64)
@@ -84,21 +111,24 @@ def main() -> None:
     build_llm(root / "dialog", "llama")
     graph = root / "tiny.yaml"
     graph.write_text(GRAPH.format(root=root))
-    load = loadgen.Load(args.clients, args.requests)
+    loads = {"many": loadgen.Load(args.clients, args.requests), "one": loadgen.Load(1, 100)}
+    http: dict[str, list[dict]] = {k: [] for k in loads}
+    local: dict[str, list[dict]] = {k: [] for k in loads}
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen(
         [sys.executable, "-m", "trae_groups.cli", "--log-level", "warning", "serve", str(graph),
-         "--port", str(port)], env=env,
+         "--port", str(port), "--pool-bytes", "64MiB"], env=env,
     )  # fmt: skip
     try:
         wait_ready(url)
         asyncio.run(loadgen.over_http(loadgen.Load(8, 32), url, "tiny", INPUTS, 60))  # warm-up
-        http = [
-            asyncio.run(loadgen.over_http(load, url, "tiny", INPUTS, 120)) for _ in range(args.runs)
-        ]
+        for _ in range(args.runs):
+            for kind, load in loads.items():
+                run = loadgen.over_http(load, url, "tiny", INPUTS, 120)
+                http[kind].append(measured(run, server.pid))
     finally:
         server.terminate()
         server.wait(60)
@@ -108,23 +138,35 @@ def main() -> None:
     executor = runtime.bind(spec)
     runtime.start()
     asyncio.run(loadgen.in_process(loadgen.Load(8, 32), executor, INPUTS))  # warm-up
-    local = [asyncio.run(loadgen.in_process(load, executor, INPUTS)) for _ in range(args.runs)]
+    for _ in range(args.runs):
+        for kind, load in loads.items():
+            local[kind].append(measured(loadgen.in_process(load, executor, INPUTS)))
     runtime.shutdown()
 
     def med(reports, key):
         return statistics.median(r[key] for r in reports)
 
     print(
-        f"{args.clients} concurrent clients, {args.requests} requests per run, medians of {args.runs}"
+        f"medians of {args.runs} runs; {args.requests} requests per run at {args.clients} clients"
     )
-    for label, reports in (("over HTTP", http), ("in process", local)):
-        errors = sum(r["errors"] for r in reports)
-        print(f"  {label:10s}: {med(reports, 'throughput_rps'):7.1f} req/s   p50 {med(reports, 'p50_ms'):7.2f} ms"
-              f"   p99 {med(reports, 'p99_ms'):7.2f} ms   errors {errors}")  # fmt: skip
-    overhead = med(http, "p50_ms") - med(local, "p50_ms")
-    print(
-        f"  server overhead per request (p50 HTTP − p50 in process): {overhead:.2f} ms (target <= 2 ms)"
-    )
+    for kind, load in loads.items():
+        print(f"{load.clients} client(s):")
+        for label, reports in (("over HTTP", http[kind]), ("in process", local[kind])):
+            errors = sum(r["errors"] for r in reports)
+            cpu = f"{med(reports, 'cpu_ms'):5.2f}"
+            if "server_cpu_ms" in reports[0]:
+                cpu = f"{med(reports, 'server_cpu_ms'):5.2f} (server) + {cpu} (client)"
+            print(f"  {label:10s}: {med(reports, 'throughput_rps'):7.1f} req/s   p50 {med(reports, 'p50_ms'):7.2f} ms"
+                  f"   p99 {med(reports, 'p99_ms'):7.2f} ms   errors {errors}   CPU ms/request {cpu}")  # fmt: skip
+        overhead = med(http[kind], "p50_ms") - med(local[kind], "p50_ms")
+        print(
+            f"  overhead per request (p50 HTTP - p50 in process): {overhead:.2f} ms (target <= 2 ms)"
+        )
+    if "server_cpu_ms" in http["many"][0]:
+        extra = med(http["many"], "server_cpu_ms") - med(local["many"], "cpu_ms")
+        print(
+            f"server CPU per request beyond the in-process run, {args.clients} clients: {extra:.2f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -283,6 +283,33 @@ def test_serve_health_bench_and_sigterm_drains_in_flight_requests(root, tmp_path
         assert server.wait(120) == 0
         log = server.stdout.read()
         assert "attention backend torch" in log and "draining" in log
+        assert '"POST /v1/graphs/held HTTP/1.1" 200' in log  # the access log is on by default
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(30)
+
+
+def test_serve_no_access_log_leaves_requests_out_of_the_log(root):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "trae_groups.cli", "serve", "support.yaml", "--port", str(port),
+         "--pool-bytes", "16MiB", "--no-access-log"],
+        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        for _ in range(600):  # bounded: about two minutes
+            if trae("health", "--url", url, cwd=root).returncode == 0:
+                break
+            assert server.poll() is None, server.stdout.read()
+            time.sleep(0.2)
+        answer = httpx.post(f"{url}/v1/graphs/support", json={"inputs": {"text": "hi"}}, timeout=60)
+        assert answer.status_code == 200
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(120) == 0
+        log = server.stdout.read()
+        assert "ready:" in log and "POST /v1/graphs" not in log
     finally:
         if server.poll() is None:
             server.kill()

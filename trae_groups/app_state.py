@@ -46,6 +46,7 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0
     admin_token: str | None = None
     log_level: str = "info"
+    access_log: bool = True  # uvicorn's line per request, at log_level info
 
     def __post_init__(self):
         limits = [self.max_inflight, *self.graph_limits.values()]

@@ -323,6 +323,7 @@ def _uvicorn_config(
         host=config.host,
         port=config.port,
         log_level=log_level or config.log_level,
+        access_log=config.access_log,
         timeout_graceful_shutdown=max(1, math.ceil(config.shutdown_grace_s)),
         lifespan="on",
     )
