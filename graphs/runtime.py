@@ -12,9 +12,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from trae_groups.engine.batcher import BatcherConfig
 from trae_groups.engine.config import DTYPES, EngineConfig
@@ -104,6 +107,7 @@ class ModelRuntime:
         self.engine = LLMEngine((), self.config, store=self.store, reserve_for=reserve_for)
         self._by_key: dict[tuple, _Loaded] = {}
         self.graphs: dict[str, GraphExecutor] = {}
+        self._bar: tqdm | None = None  # the model-load progress bar while bind() runs
 
     @classmethod
     def for_specs(cls, specs: list[GraphSpec], config: EngineConfig | None = None) -> ModelRuntime:
@@ -141,15 +145,22 @@ class ModelRuntime:
             for name, model in graph.spec.models.items()
             for version in model.sources
         ]
-        shared = self._load_encoders([w for w in wanted if w[2].task != "generate"])
-        models = {}
-        for name, model in graph.spec.models.items():
-            clients = {
-                version: shared.get((name, version))
-                or self._acquire(name, version, model, graph.spec.model_path(name, version))
-                for version in model.sources
-            }
-            models[name] = VersionedModel(name, clients, model.weights, model.sticky)
+        new = {self._key(m, p) for _, _, m, p in wanted} - set(self._by_key)
+        self._bar = tqdm(total=len(new), desc=f"loading {graph.spec.name}", unit="model",
+                         disable=None if new else True, leave=False)  # fmt: skip
+        try:
+            shared = self._load_encoders([w for w in wanted if w[2].task != "generate"])
+            models = {}
+            for name, model in graph.spec.models.items():
+                clients = {
+                    version: shared.get((name, version))
+                    or self._acquire(name, version, model, graph.spec.model_path(name, version))
+                    for version in model.sources
+                }
+                models[name] = VersionedModel(name, clients, model.weights, model.sticky)
+        finally:
+            self._bar.close()
+            self._bar = None
         executor = GraphExecutor(graph, models, functions)
         self.graphs[graph.spec.name] = executor
         return executor
@@ -195,19 +206,40 @@ class ModelRuntime:
         self._release(versioned.remove(version))
 
     # -- models ------------------------------------------------------------------------
+    def _key(self, spec: ModelSpec, path: Path) -> tuple:
+        """What makes two model entries one loaded model: folder, task and dtype."""
+        dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
+        return (str(Path(path).resolve()), spec.task, dtype)
+
+    def _load(self, path: Path, task: str, name: str, **kwargs: Any):
+        """One model through the weight store, with a log line (and a tick of the load
+        bar during ``bind``): loading a real model takes seconds to minutes."""
+        started = time.perf_counter()
+        before = self.store.total_bytes()
+        loaded = self.store.load(path, task, device=self.config.device, name=name, **kwargs)
+        added = self.store.total_bytes() - before
+        log.info(
+            "loaded model '%s' (%s) from %s in %.1f s: %.1f MB new in memory",
+            name, task, path, time.perf_counter() - started, added / 1e6,
+        )  # fmt: skip
+        if self._bar is not None:
+            self._bar.set_postfix_str(name)
+            self._bar.update(1)
+        return loaded
+
     def _acquire(
         self, name: str, version: str, spec: ModelSpec, path: Path
     ) -> EncoderClient | LLMClient:
         dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
-        key = (str(Path(path).resolve()), spec.task, dtype)
+        key = self._key(spec, path)
         if key in self._by_key:
             self._by_key[key].users += 1
             return self._by_key[key].client
         if spec.task != "generate":
             return self._load_encoders([(name, version, spec, path)])[(name, version)]
         worker_name = self._free_name(name if version == "default" else f"{name}@{version}")
-        loaded = self.store.load(path, "generate", dtype=dtype, device=self.config.device,
-                                 name=worker_name, attn_implementation=ATTN_NAME)  # fmt: skip
+        loaded = self._load(path, "generate", worker_name, dtype=dtype,
+                            attn_implementation=ATTN_NAME)  # fmt: skip
         worker = self.engine.add_llm(
             worker_name, path, model=loaded.model, tokenizer=loaded.tokenizer,
             max_num_seqs=spec.max_batch_size,
@@ -224,17 +256,15 @@ class ModelRuntime:
         seen: set[tuple] = set()
         for name, version, spec, path in wanted:
             dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
-            key = (str(Path(path).resolve()), spec.task, dtype)
+            key = self._key(spec, path)
             if key in self._by_key or key in seen:
                 continue  # already served (or listed twice): _acquire shares it
             seen.add(key)
             head = self._free_name(name if version == "default" else f"{name}@{version}")
-            loaded = self.store.load(
-                path, spec.task, dtype=dtype, device=self.config.device, name=head
-            )
+            loaded = self._load(path, spec.task, head, dtype=dtype)
             backbone = loaded.model if spec.task == "embed" else loaded.model.base_model
             ptrs = {p.data_ptr() for p in backbone.parameters()}
-            member = (name, version, spec, path, dtype, head, loaded)
+            member = (name, version, spec, path, head, loaded)
             # one backbone may carry a pooler that another head's copy leaves out
             vocab = loaded.tokenizer.get_vocab()
             group = next(
@@ -253,9 +283,9 @@ class ModelRuntime:
             worker = EncoderWorker("+".join(heads), heads, batcher=_batcher(members[0][2]),
                                    pool=self.engine.pool, wake=self.engine.loop.wake)  # fmt: skip
             self.engine.add_worker(worker)
-            for name, version, spec, path, dtype, head, _loaded in members:
+            for name, version, spec, path, head, _loaded in members:
                 client = EncoderClient(worker, head)
-                key = (str(Path(path).resolve()), spec.task, dtype)
+                key = self._key(spec, path)
                 self._by_key[key] = _Loaded(client, worker, str(path))
                 clients[(name, version)] = client
         return clients

@@ -201,6 +201,8 @@ def test_run_prints_the_result_json(root):
     assert result["outputs"]["intent"] in {"greet", "order", "spam"}
     assert {n: v["status"] for n, v in result["nodes"].items()} == {"intent": "ok", "reply": "ok"}
     assert "attention backend torch" in done.stderr
+    for model in ("'intent' (classify)", "'dialog' (generate)"):  # a line per model loaded
+        assert f"loaded model {model} from {root}" in done.stderr, done.stderr[-2000:]
 
 
 def test_model_info_reports_each_model(root, capsys):
