@@ -72,6 +72,7 @@ class LLMWorker(Worker):
             max_num_batched_tokens=config.max_num_batched_tokens,
             cache_key=(cache_key or name) if config.enable_prefix_cache else None,
             policy=config.scheduling,
+            zero_pages=backend.needs_zeroed_pages,
         )
         self.sampler = Sampler()
         self.eos_ids = _eos_ids(model, tokenizer)

@@ -55,8 +55,10 @@ class Scheduler:
         max_num_batched_tokens: int,
         cache_key: Hashable | None,
         policy: str = "graph",
+        zero_pages: bool = True,
     ):
         self.policy = policy
+        self.zero_pages = zero_pages  # what the attention backend needs of new pages
         self.pool = pool
         self.owner = owner
         self.page = tokens_per_page
@@ -133,7 +135,7 @@ class Scheduler:
         need = self.pages_needed(num_tokens) - len(seq.pages)
         if need <= 0:
             return True
-        pages = self.pool.allocate(self.owner, need, zero=True)
+        pages = self.pool.allocate(self.owner, need, zero=self.zero_pages)
         if pages is None:
             return False
         seq.pages.extend(pages)

@@ -18,6 +18,10 @@ class AttentionBackend:
     name: str
     store_kv: Callable
     paged_attention: Callable
+    # The torch kernel reads whole pages and masks the unused tail, so stale bytes (NaN
+    # in another model's layout) must be cleared when a page is handed out; the Triton
+    # kernels never load a slot past a sequence's length (tested with NaN there).
+    needs_zeroed_pages: bool = True
 
 
 def _torch_backend() -> AttentionBackend:
@@ -72,7 +76,9 @@ def _register_gpu_backends() -> None:
         register_backend(
             "triton",
             tri.available,
-            lambda: AttentionBackend("triton", tri.store_kv, tri.paged_attention),
+            lambda: AttentionBackend(
+                "triton", tri.store_kv, tri.paged_attention, needs_zeroed_pages=False
+            ),
         )
     except Exception as exc:  # pragma: no cover - defensive
         log.debug("triton backend not registered: %s", exc)
