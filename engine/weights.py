@@ -21,6 +21,7 @@ to share is never read in full at load time.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -33,9 +34,13 @@ from torch import nn
 
 from trae_groups.engine.errors import ModelLoadError
 
+log = logging.getLogger("trae_groups.engine")
+
 MemoryMode = Literal["shared", "isolated"]
 GpuMode = Literal["shared", "dedicated"]
 _SAMPLE = 4096
+# what a folder with a tokenizer holds: tokenizers' JSON, sentencepiece, BPE or WordPiece
+_TOKENIZER_FILES = ("tokenizer*", "*.model", "vocab.*", "merges.txt")
 
 # task -> (transformers Auto class, its model-type mapping)
 _TASKS = {
@@ -238,6 +243,11 @@ class WeightStore:
             return loaded
 
     def _tokenizer(self, path: Path, task: str) -> Any:
+        """The folder's tokenizer. An LLM folder with none (a benchmark's random-init
+        model, say) loads without one and takes token-id prompts only."""
+        if task == "generate" and not any(any(path.glob(p)) for p in _TOKENIZER_FILES):
+            log.info("%s has no tokenizer: its prompts must be token ids", path)
+            return None
         if str(path) not in self._tokenizers:
             from transformers import AutoTokenizer
 

@@ -253,6 +253,21 @@ def test_text_prompts_tokenize_as_transformers_does(llama_dir):
         assert out.prompt_token_ids == tok.encode(text, add_special_tokens=False), text
 
 
+def test_an_llm_folder_without_a_tokenizer_takes_token_ids(llama_dir, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (bare / name).write_bytes((llama_dir / name).read_bytes())
+    ps = prompts(4, seed=5)
+    with engine({"m": bare}) as eng:
+        assert eng.llms["m"].tokenizer is None
+        outs = eng.generate(ps, SamplingParams(max_tokens=MAX_NEW))
+        with pytest.raises(RequestError) as err:
+            eng.generate(["hello"], SamplingParams(max_tokens=2))
+    assert err.value.field == "prompt" and "token ids" in str(err.value)
+    assert_parity(llama_dir, outs, ps)
+
+
 def test_bad_requests_are_refused_before_any_work(llama_dir):
     with engine({"m": llama_dir}) as eng:
         cases = [
