@@ -51,6 +51,41 @@ class PagedBatch:
             self._masks[key] = mask[:, None, None, :]
         return self._masks[key]
 
+    def prefill_plan(self, window: int | None) -> tuple[torch.Tensor, ...] | None:
+        """Index tensors and mask to run every prefill chunk in one padded SDPA call
+        (cached per step: every layer uses them), or None when padding would cost more
+        than twice the exact work (chunks of very different sizes) or there is only
+        one chunk: those run one by one."""
+        key = ("prefill", window)
+        if key in self._masks:
+            return self._masks[key]
+        nd, page, starts = self.num_decodes, self.tokens_per_page, self.query_starts
+        first = starts[nd]
+        n_q = [starts[s + 1] - starts[s] for s in range(nd, self.num_seqs)]
+        n_k = self.context_lens[nd:]
+        longest, n_pages = max(n_q), -(-max(n_k) // page)
+        exact = sum(q * k for q, k in zip(n_q, n_k, strict=True))
+        if len(n_q) == 1 or len(n_q) * longest * n_pages * page > 2 * exact:
+            self._masks[key] = None
+            return None
+        device = self.block_tables.device
+        q_len = torch.tensor(n_q, device=device)[:, None]
+        k_len = torch.tensor(n_k, device=device)[:, None]
+        col = torch.arange(longest, device=device)[None, :]
+        real = col < q_len  # [seqs, longest]: rows that are not padding
+        start = torch.tensor(starts[nd:-1], device=device)[:, None]
+        rows = torch.where(real, start + col, first)  # padding reads some real row
+        # a query's position in its sequence; padding rows sit at 0 and see key 0 only
+        q_pos = torch.where(real, k_len - q_len + col, 0)
+        k_pos = torch.arange(n_pages * page, device=device)
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]
+        if window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
+        keep = real.flatten().nonzero().squeeze(1)
+        tables = self.block_tables[nd:, :n_pages]
+        self._masks[key] = (tables, rows, keep, mask[:, None])
+        return self._masks[key]
+
 
 def store_kv(
     key: torch.Tensor,
@@ -120,8 +155,40 @@ def paged_attention(
             enable_gqa=gqa,
         )
         out[:nd] = o.squeeze(2)
+    if nd < batch.num_seqs:
+        plan = batch.prefill_plan(sliding_window)
+        if plan is None:
+            _prefill_one_by_one(query, key, value, k_cache, v_cache, batch, scale,
+                                sliding_window, gqa, out)  # fmt: skip
+        else:
+            _prefill_padded(query, k_cache, v_cache, batch, plan, scale, gqa, out)
+    return out
+
+
+def _prefill_padded(query, k_cache, v_cache, batch, plan, scale, gqa, out) -> None:
+    """Every prefill chunk of the step in one SDPA call, padded to the longest chunk
+    and context: one call per layer instead of one per sequence."""
+    tables, rows, keep, mask = plan
+    n_seqs, n_pages = tables.shape
+    width = n_pages * batch.tokens_per_page
+    k = k_cache.index_select(0, tables.reshape(-1)).view(n_seqs, width, *k_cache.shape[2:])
+    v = v_cache.index_select(0, tables.reshape(-1)).view(n_seqs, width, *v_cache.shape[2:])
+    q = query.index_select(0, rows.reshape(-1)).view(*rows.shape, *query.shape[1:])
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=gqa,
+    )  # [n_seqs, heads, longest chunk, dim]
+    first = batch.query_starts[batch.num_decodes]
+    out[first:] = o.transpose(1, 2).flatten(0, 1).index_select(0, keep)
+
+
+def _prefill_one_by_one(query, key, value, k_cache, v_cache, batch, scale, window, gqa, out):
     starts = batch.query_starts
-    for s in range(nd, batch.num_seqs):
+    for s in range(batch.num_decodes, batch.num_seqs):
         lo, hi = starts[s], starts[s + 1]
         n_q, n_k = hi - lo, batch.context_lens[s]
         if n_q == n_k:  # fresh prefill: the new K/V are the whole context
@@ -131,7 +198,7 @@ def paged_attention(
             pages = batch.block_tables[s, :n_pages]
             k = gather_kv(k_cache, pages)[:n_k]
             v = gather_kv(v_cache, pages)[:n_k]
-        mask = _prefill_mask(n_q, n_k, sliding_window, query.device)
+        mask = _prefill_mask(n_q, n_k, window, query.device)
         o = F.scaled_dot_product_attention(
             query[lo:hi].transpose(0, 1),
             k.transpose(0, 1),
@@ -142,7 +209,6 @@ def paged_attention(
             enable_gqa=gqa,
         )
         out[lo:hi] = o.transpose(0, 1)
-    return out
 
 
 def naive_attention(

@@ -98,3 +98,28 @@ def test_store_kv_writes_only_the_mapped_slots():
     assert kc[1, 1].tolist() == [[1.0, 2.0]] and kc[1, 2].tolist() == [[3.0, 4.0]]
     assert kc[0, 0].tolist() == [[5.0, 6.0]] and vc[0, 0].tolist() == [[-5.0, -6.0]]
     assert kc.count_nonzero() == 6
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize(
+    "q_lens,ctx_lens,padded",
+    [
+        ([1, 1, 6, 5, 6, 6], [9, 3, 8, 12, 10, 6], True),  # fresh and cached chunks, alike
+        ([1, 2, 3, 3], [7, 4, 7, 5], True),  # chunks from 2 rows; padding rows see key 0
+        ([1, 3, 3, 40], [5, 3, 3, 40], False),  # one long chunk: padding would triple the work
+    ],
+)
+def test_prefill_chunks_run_padded_together_or_one_by_one(q_lens, ctx_lens, padded, window):
+    q, k, v, kc, vc, batch, keys, values = make_case(q_lens, ctx_lens, 4, 2, num_pages=96)
+    kc.fill_(1e4)  # slots no sequence owns must never reach an output (finite: this
+    vc.fill_(1e4)  # backend masks whole pages, where NaN would poison the sum)
+    for s, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+        cached = torch.arange(ctx - q_len)
+        pages = batch.block_tables[s, cached // 4]
+        kc[pages, cached % 4] = keys[s][: ctx - q_len]
+        vc[pages, cached % 4] = values[s][: ctx - q_len]
+    store_kv(k, v, kc, vc, batch.slot_mapping)
+    got = paged_attention(q, k, v, kc, vc, batch, 8**-0.5, window)
+    assert (batch.prefill_plan(window) is not None) == padded
+    want = naive_attention(q, keys, values, batch.query_starts, 8**-0.5, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
