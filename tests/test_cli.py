@@ -225,23 +225,31 @@ def test_bench_in_process_prints_throughput_and_percentiles(root, capsys):
     assert 0 < report["p50_ms"] <= report["p99_ms"]
 
 
-def test_serve_health_bench_and_sigterm_drains_in_flight_requests(root, tmp_path):
+def start_serve(root: Path, *args: str) -> tuple[subprocess.Popen, str]:
+    """``trae serve`` in a subprocess on a free port; returns once /ready answers."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": str(root)}
     server = subprocess.Popen(
-        [sys.executable, "-m", "trae_groups.cli", "serve", "support.yaml", "held.yaml",
-         "--port", str(port), "--pool-bytes", "16MiB", "--grace", "120", "--admin-token", "tok"],
-        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "trae_groups.cli", "serve", *args, "--port", str(port),
+         "--pool-bytes", "16MiB"],
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    for _ in range(600):  # bounded: about two minutes
+        if trae("health", "--url", url, cwd=root).returncode == 0:
+            return server, url
+        if server.poll() is not None:
+            raise AssertionError(server.stdout.read())
+        time.sleep(0.2)
+    server.kill()
+    raise AssertionError("the server never got ready")
+
+
+def test_serve_health_bench_and_sigterm_drains_in_flight_requests(root, tmp_path):
+    server, url = start_serve(
+        root, "support.yaml", "held.yaml", "--grace", "120", "--admin-token", "tok"
+    )
     try:
-        for _ in range(600):  # bounded: about two minutes
-            if trae("health", "--url", url, cwd=root).returncode == 0:
-                break
-            assert server.poll() is None, server.stdout.read()
-            time.sleep(0.2)
-        else:
-            raise AssertionError("the server never got ready")
         bench = trae("bench", "support.yaml", "--url", url, "--clients", "2", "--requests", "4",
                      "--json", cwd=root)  # fmt: skip
         assert bench.returncode == 0, bench.stderr
@@ -293,19 +301,8 @@ def test_serve_health_bench_and_sigterm_drains_in_flight_requests(root, tmp_path
 
 
 def test_serve_no_access_log_leaves_requests_out_of_the_log(root):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "trae_groups.cli", "serve", "support.yaml", "--port", str(port),
-         "--pool-bytes", "16MiB", "--no-access-log"],
-        cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+    server, url = start_serve(root, "support.yaml", "--no-access-log")
     try:
-        for _ in range(600):  # bounded: about two minutes
-            if trae("health", "--url", url, cwd=root).returncode == 0:
-                break
-            assert server.poll() is None, server.stdout.read()
-            time.sleep(0.2)
         answer = httpx.post(f"{url}/v1/graphs/support", json={"inputs": {"text": "hi"}}, timeout=60)
         assert answer.status_code == 200
         server.send_signal(signal.SIGTERM)
