@@ -15,7 +15,7 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
@@ -85,6 +85,10 @@ class EncoderWorker(Worker):
         self.real_tokens = 0
         self.pool_shrinks = 0
         self.peak_pages = 0
+        # seconds each item waited from submit to its batch's start (recent window;
+        # items_started counts them all, so a reader can tell which ones are new)
+        self.queue_waits: deque[float] = deque(maxlen=4096)
+        self.items_started = 0
 
     @property
     def owner(self) -> str:
@@ -243,7 +247,11 @@ class EncoderWorker(Worker):
             items = items[:keep]
 
     def _start(self, items: list[EncoderItem]) -> list[EncoderItem]:
-        return [it for it in items if _mark_running(it)]
+        started = [it for it in items if _mark_running(it)]
+        now = time.monotonic()
+        self.queue_waits.extend(now - it.queued_at for it in started)
+        self.items_started += len(started)
+        return started
 
     def _run(self, items: list[EncoderItem], encoded: Encoded) -> None:
         texts, rows = self._rows(items)

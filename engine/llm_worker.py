@@ -88,6 +88,10 @@ class LLMWorker(Worker):
         self.batch_tokens: deque[int] = deque(maxlen=4096)
         self.ttft: deque[float] = deque(maxlen=4096)
         self.itl: deque[float] = deque(maxlen=4096)
+        # seconds from submit to the first step that took each request (recent window;
+        # num_started counts them all, so a reader can tell which ones are new)
+        self.queue_waits: deque[float] = deque(maxlen=4096)
+        self.num_started = 0
 
     # -- submitting (any thread) ------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -187,6 +191,7 @@ class LLMWorker(Worker):
                 self._stalled_until = time.monotonic() + _STALL_POLL_S
             return
         self._stalled_until = 0.0
+        self._note_first_scheduled(sched)
         try:
             inputs = self.runner.prepare(sched)
             logits = self.runner.run(inputs)
@@ -205,6 +210,14 @@ class LLMWorker(Worker):
         self.num_steps += 1
         self.batch_tokens.append(sched.num_tokens)
         self._postprocess(sched, sampling, result)
+
+    def _note_first_scheduled(self, sched: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for item in sched.scheduled:
+            if item.seq.first_scheduled is None:
+                item.seq.first_scheduled = now
+                self.queue_waits.append(now - item.seq.arrival)
+                self.num_started += 1
 
     def _take_new_and_aborts(self) -> None:
         with self._lock:

@@ -61,6 +61,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None  # when a step first took it (queue time ends)
     first_token_time: float | None = None
     last_token_time: float | None = None
     admitted_seq: int = 0  # admission order, for preempting the newest first

@@ -111,6 +111,10 @@ def test_counters_move_with_requests(http):
     assert moved("trae_llm_batch_tokens_count", model="dialog") >= 5
     assert moved("trae_encoder_items_total", model="intent") == 3
     assert moved("trae_encoder_batch_size_count", model="intent") >= 1
+    for model in ("dialog", "intent"):  # each request waited in the engine's queue once
+        assert moved("trae_engine_queue_seconds_count", model=model) == 3
+        waited = moved("trae_engine_queue_seconds_sum", model=model)
+        assert 0 <= waited <= moved("trae_graph_latency_seconds_sum", graph="support")
     assert moved("trae_prefix_cache_hits_total") >= 1
     assert value(after, "trae_graph_inflight_requests", graph="support") == 0
 

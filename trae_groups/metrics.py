@@ -88,7 +88,8 @@ class Metrics:
         )  # fmt: skip
         self.node_queue = Histogram(
             "trae_node_queue_seconds",
-            "Time from the request's start to the node's start (waiting for its parents)",
+            "Time from the request's start to the node's start (waiting for its parents; "
+            "time in the engine's queue is trae_engine_queue_seconds, per model)",
             node, buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.ttft = Histogram(
@@ -232,8 +233,8 @@ class EngineCollector(Collector):
         self._graphs = graphs
         self._ready = ready
         self._lock = threading.Lock()
-        self._batch_tokens: dict[str, _CumulativeHistogram] = {}
-        self._steps_seen: dict[str, int] = {}
+        self._windows: dict[tuple[str, str], _CumulativeHistogram] = {}
+        self._seen: dict[tuple[str, str], int] = {}
         self._busy_mark = (0.0, time.monotonic())  # (busy seconds, wall) at the last scrape
 
     def describe(self) -> list[Metric]:
@@ -335,12 +336,28 @@ class EngineCollector(Collector):
     def _workers(self, engine: Any) -> Iterable[Metric]:
         llm = {name: w.stats() for name, w in engine.llms.items()}
         encoders = {
-            name: w.stats()
+            name: w
             for name, w in engine.loop.workers.items()
             if name not in llm and hasattr(w, "batch_sizes")
         }
         yield from self._llm_metrics(engine, llm)
-        yield from _encoder_metrics(encoders)
+        yield from _encoder_metrics({name: w.stats() for name, w in encoders.items()})
+        queue = HistogramMetricFamily(
+            "trae_engine_queue_seconds",
+            "Time from submit to the first batch that runs it (LLM admission, encoder batch)",
+            labels=["model"],
+        )  # fmt: skip
+        for model, worker in engine.llms.items():
+            hist = self._window(
+                ("queue", model), TOKEN_BUCKETS, worker.queue_waits, worker.num_started
+            )
+            queue.add_metric([model], hist.buckets(), hist.total)
+        for model, worker in encoders.items():
+            hist = self._window(
+                ("queue", model), TOKEN_BUCKETS, worker.queue_waits, worker.items_started
+            )
+            queue.add_metric([model], hist.buckets(), hist.total)
+        yield queue
 
     def _llm_metrics(self, engine: Any, stats: Mapping[str, dict]) -> Iterable[Metric]:
         specs = [
@@ -363,19 +380,23 @@ class EngineCollector(Collector):
             labels=["model"],
         )  # fmt: skip
         for model, worker in engine.llms.items():
-            hist = self._llm_batch_histogram(model, worker)
+            hist = self._window(
+                ("batch", model), BATCH_BUCKETS, worker.batch_tokens, worker.num_steps
+            )
             batch.add_metric([model], hist.buckets(), hist.total)
         yield batch
 
-    def _llm_batch_histogram(self, model: str, worker: Any) -> _CumulativeHistogram:
-        """New step sizes since the last scrape: the tail of the worker's recent window."""
-        hist = self._batch_tokens.setdefault(model, _CumulativeHistogram(BATCH_BUCKETS))
-        recent = list(worker.batch_tokens)
-        steps = worker.num_steps
-        new = min(len(recent), steps - self._steps_seen.get(model, 0))
+    def _window(
+        self, key: tuple[str, str], buckets: tuple[float, ...], recent: Iterable[float], count: int
+    ) -> _CumulativeHistogram:
+        """A histogram kept across scrapes from a worker's recent-values window and its
+        running count: the values new since the last scrape are the window's tail."""
+        hist = self._windows.setdefault(key, _CumulativeHistogram(buckets))
+        values = list(recent)
+        new = min(len(values), count - self._seen.get(key, 0))
         if new > 0:
-            hist.add(recent[-new:])
-        self._steps_seen[model] = steps
+            hist.add(values[-new:])
+        self._seen[key] = count
         return hist
 
 
