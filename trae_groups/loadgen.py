@@ -90,6 +90,7 @@ async def drive(load: Load, call: Callable[[], Awaitable[Any]]) -> dict:
         "errors": errors,
         "seconds": seconds,
         "throughput_rps": len(latencies) / seconds if seconds > 0 else 0.0,
+        "mean_ms": sum(latencies) / len(latencies) * 1000 if latencies else 0.0,
         "p50_ms": percentile(latencies, 50) * 1000,
         "p99_ms": percentile(latencies, 99) * 1000,
     }
