@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+# At most this many K/V rows (sequences x padded context) gathered for one padded
+# prefill call; 32k rows of 8 KV heads x 128 dims in fp32 is 128 MiB each for K and V.
+MAX_PADDED_KEYS = 32768
+
 
 @dataclass
 class PagedBatch:
@@ -54,8 +58,9 @@ class PagedBatch:
     def prefill_plan(self, window: int | None) -> tuple[torch.Tensor, ...] | None:
         """Index tensors and mask to run every prefill chunk in one padded SDPA call
         (cached per step: every layer uses them), or None when padding would cost more
-        than twice the exact work (chunks of very different sizes) or there is only
-        one chunk: those run one by one."""
+        than twice the exact work (chunks of very different sizes), when the gathered
+        keys would pass ``MAX_PADDED_KEYS`` (long contexts: one by one holds one
+        sequence's K/V at a time), or there is only one chunk: those run one by one."""
         key = ("prefill", window)
         if key in self._masks:
             return self._masks[key]
@@ -65,7 +70,8 @@ class PagedBatch:
         n_k = self.context_lens[nd:]
         longest, n_pages = max(n_q), -(-max(n_k) // page)
         exact = sum(q * k for q, k in zip(n_q, n_k, strict=True))
-        if len(n_q) == 1 or len(n_q) * longest * n_pages * page > 2 * exact:
+        keys = len(n_q) * n_pages * page  # K/V rows gathered at once: bounds the memory
+        if len(n_q) == 1 or keys > MAX_PADDED_KEYS or keys * longest > 2 * exact:
             self._masks[key] = None
             return None
         device = self.block_tables.device

@@ -123,3 +123,19 @@ def test_prefill_chunks_run_padded_together_or_one_by_one(q_lens, ctx_lens, padd
     assert (batch.prefill_plan(window) is not None) == padded
     want = naive_attention(q, keys, values, batch.query_starts, 8**-0.5, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_long_contexts_are_not_padded_together(monkeypatch):
+    from trae_groups.kernels import attention
+
+    q_lens, ctx_lens = [1, 6, 5, 6], [9, 8, 12, 10]  # padded together under the default bound
+    monkeypatch.setattr(attention, "MAX_PADDED_KEYS", 3 * 12 - 1)  # 3 chunks x 12 keys
+    q, k, v, kc, vc, batch, keys, values = make_case(q_lens, ctx_lens, 4, 2, num_pages=96)
+    store_kv(k, v, kc, vc, batch.slot_mapping)
+    got = paged_attention(q, k, v, kc, vc, batch, 8**-0.5)
+    assert batch.prefill_plan(None) is None
+    monkeypatch.setattr(attention, "MAX_PADDED_KEYS", 3 * 12)
+    batch._masks.clear()
+    assert batch.prefill_plan(None) is not None
+    want = naive_attention(q, keys, values, batch.query_starts, 8**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
