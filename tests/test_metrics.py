@@ -36,6 +36,15 @@ nodes:
   explode: {function: "metrics_test_nodes:explode", args: {text: "{{ inputs.text }}"}}
 outputs: {never: explode}
 """
+ROUTED = """
+name: routed
+models:
+  clf: {{task: classify, versions: {{v1: {root}/intent, v2: {root}/intent2}}, route: {{v1: 50, v2: 50}}}}
+inputs: {{text: str}}
+nodes:
+  label: {{model: clf, input: "{{{{ inputs.text }}}}"}}
+outputs: {{label: label.label}}
+"""
 # long enough to fill whole pages, so a repeat hits the prefix cache
 TEXT = "hello world, how are you today? the quick brown fox jumps over the lazy dog " * 2
 
@@ -45,12 +54,14 @@ def server(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("metrics")
     build_llm(root / "dialog", "llama")
     build_encoder(root / "intent", "classify", ["greet", "order", "spam"])
+    build_encoder(root / "intent2", "classify", ["greet", "order", "spam"], seed=2)
     (root / "metrics_test_nodes.py").write_text("def explode(text):\n    raise ValueError('no')\n")
     sys.path.insert(0, str(root))
     (root / "support.yaml").write_text(SUPPORT.format(root=root))
     (root / "fails.yaml").write_text(FAILS)
+    (root / "routed.yaml").write_text(ROUTED.format(root=root))
     app = create_app(
-        [root / "support.yaml", root / "fails.yaml"],
+        [root / "support.yaml", root / "fails.yaml", root / "routed.yaml"],
         ServerConfig(engine=EngineConfig(pool_bytes=8 << 20)),
     )
     with ServerThread(app) as running:
@@ -102,9 +113,10 @@ def test_counters_move_with_requests(http):
     assert moved("trae_node_errors_total", graph="fails", node="explode") == 1
     assert moved("trae_graph_latency_seconds_count", graph="support") == 3
     for node in ("intent", "reply"):
-        assert moved("trae_node_runs_total", graph="support", node=node, status="ok") == 3
-        assert moved("trae_node_latency_seconds_count", graph="support", node=node) == 3
-        assert moved("trae_node_queue_seconds_count", graph="support", node=node) == 3
+        labels = {"graph": "support", "node": node, "version": "default"}
+        assert moved("trae_node_runs_total", **labels, status="ok") == 3
+        assert moved("trae_node_latency_seconds_count", **labels) == 3
+        assert moved("trae_node_queue_seconds_count", **labels) == 3
     assert moved("trae_time_to_first_token_seconds_count", model="dialog") == 3
     assert moved("trae_inter_token_latency_seconds_count", model="dialog") == 3 * 4
     assert moved("trae_llm_generated_tokens_total", model="dialog") == 15
@@ -117,6 +129,25 @@ def test_counters_move_with_requests(http):
         assert 0 <= waited <= moved("trae_graph_latency_seconds_sum", graph="support")
     assert moved("trae_prefix_cache_hits_total") >= 1
     assert value(after, "trae_graph_inflight_requests", graph="support") == 0
+
+
+def test_node_series_carry_the_model_version_a_run_used(http):
+    before = scrape(http)
+    picked = []
+    for i in range(24):
+        answer = http.post("/v1/graphs/routed", json={"inputs": {"text": f"hello {i}"}})
+        assert answer.status_code == 200
+        picked.append(answer.json()["versions"]["clf"])
+    after = scrape(http)
+
+    def moved(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    for version in ("v1", "v2"):  # each version's series counts exactly its own runs
+        labels = {"graph": "routed", "node": "label", "version": version}
+        assert moved("trae_node_runs_total", **labels, status="ok") == picked.count(version)
+        assert moved("trae_node_latency_seconds_count", **labels) == picked.count(version)
+    assert set(picked) == {"v1", "v2"}  # 24 draws of a 50/50 split: both, but for 2**-23
 
 
 def test_inference_latency_is_a_histogram_in_ms_with_the_agreed_buckets(http):

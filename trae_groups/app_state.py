@@ -283,4 +283,16 @@ class AppState:
             self.metrics.observe_request(name, CLIENT_GONE)
         else:
             self.metrics.observe_request(name, 200, time.perf_counter() - start)
-            self.metrics.observe_nodes(name, result.nodes, start)
+            self.metrics.observe_nodes(name, result.nodes, start, node_versions(served, result))
+
+
+def node_versions(served: ServedGraph, result: RunResult) -> dict[str, str]:
+    """The model version each node of a run used: the run's pick for a model with
+    several versions, else the model's only one ("default" for a plain ``source:``)."""
+    versions = {}
+    for node in result.nodes:
+        model = getattr(served.spec.nodes.get(node), "model", None)
+        if model is not None and model in served.spec.models:
+            only = next(iter(served.spec.models[model].sources))
+            versions[node] = result.versions.get(model, only)
+    return versions

@@ -49,6 +49,7 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         graph, node = ["graph"], ["graph", "node"]
+        versioned = [*node, "version"]  # the model version the node ran ("" for python nodes)
         self.requests = Counter(
             "trae_graph_requests", "Graph requests answered, by HTTP status", [*graph, "code"],
             registry=r,
@@ -76,21 +77,21 @@ class Metrics:
         )  # fmt: skip
         self.node_runs = Counter(
             "trae_node_runs", "Node outcomes (ok, skipped, failed, default, cancelled)",
-            [*node, "status"], registry=r,
+            [*versioned, "status"], registry=r,
         )  # fmt: skip
         self.node_errors = Counter(
             "trae_node_errors", "Nodes that failed (also those on_error skipped or defaulted)",
             node, registry=r,
         )  # fmt: skip
         self.node_latency = Histogram(
-            "trae_node_latency_seconds", "Node run time, start to result", node,
+            "trae_node_latency_seconds", "Node run time, start to result", versioned,
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.node_queue = Histogram(
             "trae_node_queue_seconds",
             "Time from the request's start to the node's start (waiting for its parents; "
             "time in the engine's queue is trae_engine_queue_seconds, per model)",
-            node, buckets=LATENCY_BUCKETS, registry=r,
+            versioned, buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.ttft = Histogram(
             "trae_time_to_first_token_seconds",
@@ -119,16 +120,25 @@ class Metrics:
     def observe_rejected(self, graph: str, reason: str) -> None:
         self.rejected.labels(graph, reason).inc()
 
-    def observe_nodes(self, graph: str, result_nodes: Mapping[str, Any], start: float) -> None:
-        """Per-node outcomes of one finished (or failed) run; ``start`` is perf_counter."""
+    def observe_nodes(
+        self,
+        graph: str,
+        result_nodes: Mapping[str, Any],
+        start: float,
+        versions: Mapping[str, str] | None = None,
+    ) -> None:
+        """Per-node outcomes of one finished (or failed) run; ``start`` is perf_counter;
+        ``versions``: node → the model version it ran (a canary's series stand apart)."""
         for name, record in result_nodes.items():
-            self.node_runs.labels(graph, name, record.status).inc()
+            version = (versions or {}).get(name, "")
+            self.node_runs.labels(graph, name, version, record.status).inc()
             if record.error is not None:  # failed, whatever its on_error made of it
                 self.node_errors.labels(graph, name).inc()
             if record.started is not None:
-                self.node_queue.labels(graph, name).observe(max(0.0, record.started - start))
+                queued = max(0.0, record.started - start)
+                self.node_queue.labels(graph, name, version).observe(queued)
             if record.ms is not None:
-                self.node_latency.labels(graph, name).observe(record.ms / 1000.0)
+                self.node_latency.labels(graph, name, version).observe(record.ms / 1000.0)
 
     def token_clock(self, nodes: Mapping[str, NodeInfo]) -> TokenClock:
         return TokenClock(self, nodes)
