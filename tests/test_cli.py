@@ -245,6 +245,14 @@ def start_serve(root: Path, *args: str) -> tuple[subprocess.Popen, str]:
     raise AssertionError("the server never got ready")
 
 
+def test_bench_against_no_server_fails_and_says_why(root):
+    done = trae("bench", "support.yaml", "--url", f"http://127.0.0.1:{free_port()}",
+                "--clients", "2", "--requests", "3", cwd=root)  # fmt: skip
+    assert done.returncode == 1
+    assert "3 requests, 3 errors" in done.stdout
+    assert "first error: ClientConnectorError" in done.stderr
+
+
 def test_serve_health_bench_and_sigterm_drains_in_flight_requests(root, tmp_path):
     server, url = start_serve(
         root, "support.yaml", "held.yaml", "--grace", "120", "--admin-token", "tok"

@@ -432,6 +432,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"throughput {report['throughput_rps']:.2f} req/s, latency p50 "
             f"{report['p50_ms']:.1f} ms, p99 {report['p99_ms']:.1f} ms"
         )
+        if report["first_error"]:
+            print(f"first error: {report['first_error']}", file=sys.stderr)
     return 0 if not report["errors"] else 1
 
 

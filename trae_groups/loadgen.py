@@ -67,16 +67,18 @@ async def drive(load: Load, call: Callable[[], Awaitable[Any]]) -> dict:
     """``load.clients`` workers share ``load.requests`` calls; failures are counted."""
     latencies: list[float] = []
     errors = 0
+    first_error: str | None = None
     remaining = iter(range(load.requests))
 
     async def client() -> None:
-        nonlocal errors
+        nonlocal errors, first_error
         for _ in remaining:
             start = time.perf_counter()
             try:
                 await call()
             except Exception as exc:
                 errors += 1
+                first_error = first_error or f"{type(exc).__name__}: {exc}"
                 log.debug("request failed: %s", exc)
                 continue
             latencies.append(time.perf_counter() - start)
@@ -93,6 +95,7 @@ async def drive(load: Load, call: Callable[[], Awaitable[Any]]) -> dict:
         "mean_ms": sum(latencies) / len(latencies) * 1000 if latencies else 0.0,
         "p50_ms": percentile(latencies, 50) * 1000,
         "p99_ms": percentile(latencies, 99) * 1000,
+        "first_error": first_error,
     }
 
 
