@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import socket
 import statistics
@@ -40,7 +41,7 @@ from conftest import build_encoder, build_llm  # noqa: E402
 from trae_groups import loadgen  # noqa: E402
 from trae_groups.engine import EngineConfig  # noqa: E402
 from trae_groups.graphs.loader import load_graph  # noqa: E402
-from trae_groups.graphs.runtime import ModelRuntime  # noqa: E402
+from trae_groups.graphs.runtime import ModelRuntime, settle_heap  # noqa: E402
 
 GRAPH = """
 name: tiny
@@ -139,11 +140,13 @@ def main() -> None:
     runtime = ModelRuntime.for_specs([spec], EngineConfig(pool_bytes=64 << 20))
     executor = runtime.bind(spec)
     runtime.start()
+    settle_heap()  # as trae serve does after loading (ServerConfig.freeze_gc)
     asyncio.run(loadgen.in_process(loadgen.Load(8, 32), executor, INPUTS))  # warm-up
     for _ in range(args.runs):
         for kind, load in loads.items():
             local[kind].append(measured(loadgen.in_process(load, executor, INPUTS)))
     runtime.shutdown()
+    gc.unfreeze()
 
     def med(reports, key):
         return statistics.median(r[key] for r in reports)

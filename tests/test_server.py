@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import importlib
 import json
 import random
@@ -619,6 +620,21 @@ def test_admin_is_404_when_no_token_is_configured(monkeypatch, root):
         response = c.post("/admin/graphs/echo/reload", headers={"Authorization": "Bearer x"})
         assert response.status_code == 404
         assert "TRAE_ADMIN_TOKEN" in error_of(response)["message"]
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_loaded_models_are_frozen_out_of_the_garbage_collector(root, freeze):
+    gc.unfreeze()  # this test process: start from a heap nothing froze
+    try:
+        config = ServerConfig(freeze_gc=freeze)
+        with ServerThread(create_app([root / "echo.yaml"], config)) as running:
+            assert running.state.ready
+            frozen = gc.get_freeze_count()
+            with httpx.Client(base_url=running.url) as c:  # still serving
+                assert c.post("/v1/graphs/echo", json={"inputs": {"text": "x"}}).status_code == 200
+        assert (frozen > 0) == freeze
+    finally:
+        gc.unfreeze()
 
 
 def test_graceful_shutdown_finishes_in_flight_requests(root, nodes):

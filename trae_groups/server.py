@@ -90,6 +90,7 @@ async def reload_graph(request: Request) -> Response:
             raise HTTPError(422, message, field="name", type="GraphValidationError")
         executor = await anyio.to_thread.run_sync(state.runtime.bind, spec)
         served.bind(executor, release=state.retire)
+        await anyio.to_thread.run_sync(state.settle_heap)
     log.info("reloaded graph '%s' from %s", served.name, served.path)
     return JSONResponse({"graph": served.name, "reloaded": True, **graph_api.summary(served)})
 
@@ -153,6 +154,7 @@ async def model_versions(request: Request) -> Response:
             await anyio.to_thread.run_sync(
                 state.runtime.remove_version, served.name, model, version
             )
+            await anyio.to_thread.run_sync(state.settle_heap)
             log.info("graph '%s' model '%s': unloaded version %s", served.name, model, version)
         else:
             body = await read_json(request, state.config.max_body_bytes)
@@ -165,6 +167,7 @@ async def model_versions(request: Request) -> Response:
             await anyio.to_thread.run_sync(
                 state.runtime.add_version, served.name, model, version, path
             )
+            await anyio.to_thread.run_sync(state.settle_heap)
             log.info(
                 "graph '%s' model '%s': loaded version %s from %s",
                 served.name,
