@@ -125,28 +125,29 @@ def main() -> None:
         [sys.executable, "-m", "trae_groups.cli", "--log-level", "warning", "serve", str(graph),
          "--port", str(port), "--pool-bytes", "64MiB"], env=env,
     )  # fmt: skip
+    runtime = None
     try:
         wait_ready(url)
+        spec = load_graph(graph)
+        runtime = ModelRuntime.for_specs([spec], EngineConfig(pool_bytes=64 << 20))
+        executor = runtime.bind(spec)
+        runtime.start()
+        settle_heap()  # as trae serve does after loading (ServerConfig.freeze_gc)
         asyncio.run(loadgen.over_http(loadgen.Load(8, 32), url, "tiny", INPUTS, 60))  # warm-up
+        asyncio.run(loadgen.in_process(loadgen.Load(8, 32), executor, INPUTS))
+        # HTTP and in-process runs alternate, so that drift of a shared machine's speed
+        # during the benchmark lands on both sides alike
         for _ in range(args.runs):
             for kind, load in loads.items():
                 run = loadgen.over_http(load, url, "tiny", INPUTS, 120)
                 http[kind].append(measured(run, server.pid))
+                local[kind].append(measured(loadgen.in_process(load, executor, INPUTS)))
     finally:
         server.terminate()
         server.wait(60)
-
-    spec = load_graph(graph)
-    runtime = ModelRuntime.for_specs([spec], EngineConfig(pool_bytes=64 << 20))
-    executor = runtime.bind(spec)
-    runtime.start()
-    settle_heap()  # as trae serve does after loading (ServerConfig.freeze_gc)
-    asyncio.run(loadgen.in_process(loadgen.Load(8, 32), executor, INPUTS))  # warm-up
-    for _ in range(args.runs):
-        for kind, load in loads.items():
-            local[kind].append(measured(loadgen.in_process(load, executor, INPUTS)))
-    runtime.shutdown()
-    gc.unfreeze()
+        if runtime is not None:
+            runtime.shutdown()
+        gc.unfreeze()
 
     def med(reports, key):
         return statistics.median(r[key] for r in reports)
