@@ -86,9 +86,9 @@ class EncoderWorker(Worker):
         self.pool_shrinks = 0
         self.peak_pages = 0
         # seconds each item waited from submit to its batch's start (recent window;
-        # items_started counts them all, so a reader can tell which ones are new)
+        # num_started counts them all, so a reader can tell which ones are new)
         self.queue_waits: deque[float] = deque(maxlen=4096)
-        self.items_started = 0
+        self.num_started = 0
 
     @property
     def owner(self) -> str:
@@ -250,7 +250,7 @@ class EncoderWorker(Worker):
         started = [it for it in items if _mark_running(it)]
         now = time.monotonic()
         self.queue_waits.extend(now - it.queued_at for it in started)
-        self.items_started += len(started)
+        self.num_started += len(started)
         return started
 
     def _run(self, items: list[EncoderItem], encoded: Encoded) -> None:

@@ -357,14 +357,9 @@ class EngineCollector(Collector):
             "Time from submit to the first batch that runs it (LLM admission, encoder batch)",
             labels=["model"],
         )  # fmt: skip
-        for model, worker in engine.llms.items():
+        for model, worker in {**engine.llms, **encoders}.items():  # both keep the same window
             hist = self._window(
                 ("queue", model), TOKEN_BUCKETS, worker.queue_waits, worker.num_started
-            )
-            queue.add_metric([model], hist.buckets(), hist.total)
-        for model, worker in encoders.items():
-            hist = self._window(
-                ("queue", model), TOKEN_BUCKETS, worker.queue_waits, worker.items_started
             )
             queue.add_metric([model], hist.buckets(), hist.total)
         yield queue
