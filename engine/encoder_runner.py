@@ -24,13 +24,23 @@ from torch import nn
 
 from trae_groups.engine.errors import RequestError
 from trae_groups.engine.ner import aggregate
+from trae_groups.engine.protocol import EncodeOptions
 from trae_groups.engine.weights import LoadedModel, tensor_slots
 
-ENCODER_TASKS = ("classify", "tag", "embed")
+ENCODER_TASKS = ("classify", "tag", "embed", "rerank")
+#: Tasks whose items are (query, document) pairs rather than one text.
+PAIR_TASKS = frozenset({"rerank"})
+
+Text = str | tuple[str, str]
 
 
-def check_text(text: Any) -> str:
-    """Refuse what cannot be encoded before it reaches a batch."""
+def check_text(text: Any, pair: bool = False) -> Text:
+    """Refuse what cannot be encoded before it reaches a batch: one non-empty string,
+    or, for a pair task, a (query, document) pair of them."""
+    if pair:
+        if not (isinstance(text, tuple | list) and len(text) == 2):
+            raise RequestError("text", "must be a (query, document) pair")
+        return (check_text(text[0]), check_text(text[1]))
     if not isinstance(text, str):
         raise RequestError("text", f"must be a string, not {type(text).__name__}")
     if not text.strip():
@@ -38,31 +48,11 @@ def check_text(text: Any) -> str:
     return text
 
 
-_OPTIONS = {
-    "classify": {},
-    "tag": {},
-    "embed": {"pooling": ("mean", "cls"), "normalize": (True, False)},
-}
-
-
-def check_options(tasks: Sequence[str], options: Mapping[str, Any]) -> dict[str, Any]:
-    """Per-item options the given tasks accept (embed: pooling, normalize)."""
-    allowed: dict[str, tuple] = {}
-    for task in tasks:
-        allowed.update(_OPTIONS[task])
-    for name, value in options.items():
-        if name not in allowed:
-            raise RequestError(name, f"unknown option for {'/'.join(tasks)}")
-        if value not in allowed[name]:
-            raise RequestError(name, f"must be one of {allowed[name]}, not {value!r}")
-    return dict(options)
-
-
 @dataclass
 class Encoded:
     """A tokenized, padded batch and what results need from tokenization."""
 
-    texts: list[str]
+    texts: list[Text]
     inputs: dict[str, torch.Tensor]
     truncated: list[bool]
     offsets: list[list[tuple[int, int]]] | None
@@ -73,12 +63,17 @@ class Encoded:
         return tuple(self.inputs["input_ids"].shape)  # type: ignore[return-value]
 
 
-def encode(loaded: LoadedModel, texts: Sequence[str]) -> Encoded:
+def encode(loaded: LoadedModel, texts: Sequence[Text]) -> Encoded:
+    """Tokenize one batch: texts, or (query, document) pairs (all one or the other)."""
     tok = loaded.tokenizer
     fast = bool(getattr(tok, "is_fast", False))
     max_length = loaded.max_length
+    pairs = bool(texts) and isinstance(texts[0], tuple)
+    first = [t[0] for t in texts] if pairs else list(texts)
+    second = [t[1] for t in texts] if pairs else None
     batch = tok(
-        list(texts),
+        first,
+        second,
         padding="longest",
         truncation=True,
         max_length=max_length,
@@ -93,9 +88,13 @@ def encode(loaded: LoadedModel, texts: Sequence[str]) -> Encoded:
         word_ids = [batch.word_ids(i) for i in range(len(texts))]
         offsets_list = [[(int(a), int(b)) for a, b in row] for row in offsets.tolist()]
     else:
-        truncated = [len(tok(t)["input_ids"]) > max_length for t in texts]
+        truncated = [len(tok(*_parts(t))["input_ids"]) > max_length for t in texts]
         word_ids, offsets_list = None, None
     return Encoded(list(texts), inputs, truncated, offsets_list, word_ids)
+
+
+def _parts(text: Text) -> tuple[str, ...]:
+    return text if isinstance(text, tuple) else (text,)
 
 
 class _Given(nn.Module):
@@ -166,7 +165,7 @@ class EncoderRunner:
     def hidden_size(self) -> int:
         return int(getattr(self.primary.config, "hidden_size", 768))
 
-    def encode(self, texts: Sequence[str]) -> Encoded:
+    def encode(self, texts: Sequence[Text]) -> Encoded:
         return encode(self.primary, texts)
 
     # -- forward -------------------------------------------------------------------
@@ -195,18 +194,19 @@ class EncoderRunner:
 
     # -- results -------------------------------------------------------------------
     def result(
-        self, head: str, output: Any, encoded: Encoded, row: int, **options: Any
+        self, head: str, output: Any, encoded: Encoded, row: int, options: EncodeOptions
     ) -> dict[str, Any]:
         """One item's result from its head's batch output."""
         loaded = self.heads[head]
         truncated = encoded.truncated[row]
         if loaded.task == "classify":
             return {**classify_result(loaded, output[row]), "truncated": truncated}
+        if loaded.task == "rerank":
+            return {"score": float(output[row]), "truncated": truncated}
         if loaded.task == "tag":
             return {"spans": tag_spans(loaded, output[row], encoded, row), "truncated": truncated}
         mask = encoded.inputs["attention_mask"][row]
-        embed_options = {k: v for k, v in options.items() if k in _OPTIONS["embed"]}
-        return {**embed_result(output[row], mask, **embed_options), "truncated": truncated}
+        return {**embed_result(output[row], mask, options), "truncated": truncated}
 
     def tasks(self, heads: Sequence[str]) -> list[str]:
         for head in heads:
@@ -214,20 +214,23 @@ class EncoderRunner:
                 raise RequestError("head", f"unknown head {head!r}; have {list(self.heads)}")
         return [self.heads[h].task for h in heads]
 
-    def run(self, texts: Sequence[str], head: str | None = None, **options: Any) -> list[dict]:
+    def run(self, texts: Sequence[Text], head: str | None = None, **options: Any) -> list[dict]:
         """One batch, one head: validate, encode, forward, results (tests, tools)."""
         head = head or self.default_head
-        check_options(self.tasks([head]), options)
-        texts = [check_text(t) for t in texts]
+        (task,) = self.tasks([head])
+        item_options = EncodeOptions(**options)
+        texts = [check_text(t, task in PAIR_TASKS) for t in texts]
         encoded = self.encode(texts)
         output = self.forward(encoded, [head])[head]
-        return [self.result(head, output, encoded, i, **options) for i in range(len(texts))]
+        return [self.result(head, output, encoded, i, item_options) for i in range(len(texts))]
 
 
 def _from_output(loaded: LoadedModel, output: Any) -> torch.Tensor:
     if loaded.task == "embed":
         return output.last_hidden_state.float()
     logits = output.logits.float()
+    if loaded.task == "rerank":  # relevance: the logit of a one-label head, else the last label's
+        return logits[:, 0] if logits.shape[-1] == 1 else torch.log_softmax(logits, -1)[:, -1]
     if loaded.task == "classify" and _sigmoid(loaded.config):
         return torch.sigmoid(logits)
     return torch.softmax(logits, dim=-1)
@@ -261,15 +264,13 @@ def tag_spans(loaded: LoadedModel, probs: torch.Tensor, encoded: Encoded, row: i
 
 
 def embed_result(
-    hidden: torch.Tensor, mask: torch.Tensor, *, pooling: str = "mean", normalize: bool = False
+    hidden: torch.Tensor, mask: torch.Tensor, options: EncodeOptions = EncodeOptions()
 ) -> dict[str, Any]:
-    if pooling == "cls":
+    if options.pooling == "cls":
         vector = hidden[0]
-    elif pooling == "mean":
+    else:
         weights = mask.to(hidden.dtype).unsqueeze(-1)
         vector = (hidden * weights).sum(0) / weights.sum().clamp(min=1.0)
-    else:
-        raise RequestError("pooling", f"unknown pooling {pooling!r}; expected 'mean' or 'cls'")
-    if normalize:
+    if options.normalize:
         vector = torch.nn.functional.normalize(vector, dim=0)
     return {"vector": vector.tolist(), "dim": int(vector.numel())}

@@ -24,14 +24,10 @@ from typing import Any
 import torch
 
 from trae_groups.engine.batcher import BatcherConfig, DynamicBatcher
-from trae_groups.engine.encoder_runner import (
-    Encoded,
-    EncoderRunner,
-    check_options,
-    check_text,
-)
-from trae_groups.engine.errors import EngineStopped, RequestAborted
+from trae_groups.engine.encoder_runner import PAIR_TASKS, Encoded, EncoderRunner, Text, check_text
+from trae_groups.engine.errors import EngineStopped, RequestAborted, RequestError
 from trae_groups.engine.memory_pool import MemoryPool
+from trae_groups.engine.protocol import EncodeOptions, ModelStats, Window
 from trae_groups.engine.weights import LoadedModel
 from trae_groups.engine.worker import Priority, Urgency, Worker
 
@@ -41,10 +37,10 @@ _BLOCKED_RETRY_S = 0.002  # pool full: try again this much later (LLM steps free
 
 @dataclass(eq=False)
 class EncoderItem:
-    text: str
+    text: Text
     heads: tuple[str, ...]
     many: bool  # the caller asked for several heads: result is {head: result}
-    options: dict[str, Any]
+    options: EncodeOptions
     request_id: str
     priority: Priority
     queued_at: float
@@ -52,9 +48,10 @@ class EncoderItem:
     future: Future = field(default_factory=Future)
 
 
-def estimate_tokens(text: str, max_length: int) -> int:
+def estimate_tokens(text: Text, max_length: int) -> int:
     """About four UTF-8 bytes per token plus specials; only used to bucket lengths."""
-    return min(max_length, len(text.encode()) // 4 + 2)
+    size = sum(len(t.encode()) for t in text) if isinstance(text, tuple) else len(text.encode())
+    return min(max_length, size // 4 + 2)
 
 
 class EncoderWorker(Worker):
@@ -97,20 +94,22 @@ class EncoderWorker(Worker):
     # -- any thread ------------------------------------------------------------------
     def submit(
         self,
-        text: str,
+        text: Text,
         *,
         head: str | Sequence[str] | None = None,
         request_id: str = "",
         priority: Priority | None = None,
-        **options: Any,
+        options: EncodeOptions = EncodeOptions(),
     ) -> Future:
-        """Queue one text; the future resolves to the head's result (or, when
-        ``head`` is a sequence, to ``{head: result}``). Bad input raises
-        RequestError here, before any work."""
+        """Queue one text (a (query, document) pair for a rerank head); the future
+        resolves to the head's result (or, when ``head`` is a sequence, to
+        ``{head: result}``). Bad input raises RequestError here, before any work."""
         heads = (head,) if isinstance(head, str) or head is None else tuple(head)
         heads = tuple(h or self.runner.default_head for h in heads)
-        check_options(self.runner.tasks(heads), options)
-        text = check_text(text)
+        pair = {task in PAIR_TASKS for task in self.runner.tasks(heads)}
+        if len(pair) > 1:
+            raise RequestError("head", "a pair task and a text task cannot share one item")
+        text = check_text(text, pair.pop())
         item = EncoderItem(
             text=text,
             heads=heads,
@@ -155,6 +154,22 @@ class EncoderWorker(Worker):
             "pool_shrinks": self.pool_shrinks,
             "peak_pages": self.peak_pages,
         }
+
+    def model_stats(self) -> ModelStats:
+        """The typed form of ``stats()`` that the layers above read."""
+        s = self.stats()
+        with self._lock:
+            running = len(self._inflight)
+        counters = {k: float(s[k]) for k in ("batches", "items", "padding_ratio", "pool_shrinks")}
+        return ModelStats(
+            self.name,
+            "encoder",
+            running=running,
+            waiting=s["queue"],
+            counters=counters,
+            windows={"queue_seconds": Window(tuple(self.queue_waits), self.num_started)},
+            batch_sizes=s["batch_sizes"],
+        )
 
     # -- engine loop -----------------------------------------------------------------
     def urgency(self, now: float) -> Urgency | None:
@@ -281,7 +296,7 @@ class EncoderWorker(Worker):
 
     def _results(self, item: EncoderItem, outputs: dict, encoded: Encoded, row: int) -> Any:
         results = {
-            h: self.runner.result(h, outputs[h], encoded, row, **item.options) for h in item.heads
+            h: self.runner.result(h, outputs[h], encoded, row, item.options) for h in item.heads
         }
         return results if item.many else results[item.heads[0]]
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from trae_groups.engine.llm_runner import ATTN_NAME, kv_layout
 from trae_groups.engine.llm_worker import LLMWorker
 from trae_groups.engine.loop import EngineLoop
 from trae_groups.engine.memory_pool import MemoryPool
+from trae_groups.engine.protocol import EngineStats, new_request_id
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.sequence import RequestOutput
 from trae_groups.engine.weights import WeightStore
@@ -32,7 +32,6 @@ from trae_groups.kernels import select_backend
 
 log = logging.getLogger("trae_groups.engine")
 
-_ids = itertools.count()
 
 
 def _named(models: Mapping[str, str | Path] | Sequence[str | Path]) -> dict[str, str]:
@@ -188,7 +187,7 @@ class LLMEngine:
         if not self.loop.running:
             raise EngineStopped("the engine is not running; call start()")
         worker = self.llm(model)
-        request_id = request_id or f"req-{next(_ids)}"
+        request_id = request_id or new_request_id()
         worker.submit(
             prompt, params or SamplingParams(), request_id=request_id, sink=sink, priority=priority
         )
@@ -204,7 +203,7 @@ class LLMEngine:
         priority: Priority | None = None,
     ) -> OutputStream:
         """From a running asyncio loop: validate and queue now, stream outputs later."""
-        stream = OutputStream(self, asyncio.get_running_loop())
+        stream = OutputStream(self.abort, asyncio.get_running_loop())
         stream.request_id = self.submit(
             prompt, params, sink=stream.put, request_id=request_id, model=model, priority=priority
         )
@@ -244,7 +243,7 @@ class LLMEngine:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 if inline:
-                    ids.append(f"req-{next(_ids)}")
+                    ids.append(new_request_id())
                     worker.submit(
                         prompt, p or SamplingParams(), request_id=ids[-1], sink=sink_for(i)
                     )
@@ -262,6 +261,29 @@ class LLMEngine:
             done.wait()
         return [results[i] for i in range(len(prompts))]
 
+    def engine_stats(self) -> EngineStats:
+        """Typed stats of the whole engine: what metrics and autoscaling read. Safe from
+        any thread: a read that races the engine thread is tried again."""
+        for attempt in range(5):
+            try:
+                return self._engine_stats()
+            except RuntimeError:  # a dict or deque changed while we read it
+                if attempt == 4:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _engine_stats(self) -> EngineStats:
+        workers = self.loop.workers
+        return EngineStats(
+            device=str(self.config.device),
+            dtype=str(self.config.dtype),
+            attention_backend=self.backend.name,
+            steps=self.loop.steps,
+            busy_seconds=self.loop.busy_seconds,
+            pool=self.pool.stats(),
+            models={name: w.model_stats() for name, w in workers.items()},
+        )
+
     def stats(self) -> dict:
         return {
             "pool": self.pool.stats(),
@@ -271,10 +293,11 @@ class LLMEngine:
 
 
 class OutputStream:
-    """Async iterator over one request's outputs; closing it early aborts the request."""
+    """Async iterator over one request's outputs; closing it early aborts the request
+    (``abort(request_id)``: the engine's, or the one worker's that holds it)."""
 
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):
-        self._engine = engine
+    def __init__(self, abort: Callable[[str], None], loop: asyncio.AbstractEventLoop):
+        self._abort = abort
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.request_id = ""
@@ -298,7 +321,7 @@ class OutputStream:
     def abort(self) -> None:
         if not self.finished:
             self.finished = True
-            self._engine.abort(self.request_id)
+            self._abort(self.request_id)
 
     async def final(self) -> RequestOutput:
         """Consume the stream; the last output."""

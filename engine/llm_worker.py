@@ -19,6 +19,7 @@ from trae_groups.engine.detokenizer import find_stop, update_text
 from trae_groups.engine.errors import EngineStopped, RequestError
 from trae_groups.engine.llm_runner import LLMRunner, kv_layout
 from trae_groups.engine.memory_pool import MemoryPool
+from trae_groups.engine.protocol import ModelStats, Window
 from trae_groups.engine.sampling import Sampler, SamplingParams
 from trae_groups.engine.scheduler import Scheduler, SchedulerOutput
 from trae_groups.engine.sequence import RequestOutput, Sequence
@@ -86,8 +87,12 @@ class LLMWorker(Worker):
         self.num_generated = 0
         self.num_prompt_tokens = 0
         self.batch_tokens: deque[int] = deque(maxlen=4096)
+        # time to first token: submit to the step that sampled it (the one definition);
+        # inter-token latency: between two tokens of one sequence
         self.ttft: deque[float] = deque(maxlen=4096)
         self.itl: deque[float] = deque(maxlen=4096)
+        self.num_first_tokens = 0
+        self.num_itl = 0
         # seconds from submit to the first step that took each request (recent window;
         # num_started counts them all, so a reader can tell which ones are new)
         self.queue_waits: deque[float] = deque(maxlen=4096)
@@ -245,9 +250,11 @@ class LLMWorker(Worker):
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 self.ttft.append(now - seq.arrival)
+                self.num_first_tokens += 1
                 self.num_prompt_tokens += len(seq.prompt_token_ids)
             else:
                 self.itl.append(now - seq.last_token_time)
+                self.num_itl += 1
             seq.last_token_time = now
             self.num_generated += 1
             reason = self._finish_reason(seq, token)
@@ -319,7 +326,34 @@ class LLMWorker(Worker):
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._fail(seq, str(EngineStopped("the engine stopped")))
 
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """Chat messages as this model's prompt, through its tokenizer's chat template
+        (a plain transcript the model can continue when it has none)."""
+        tokenizer = self.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            lines = [f"{m['role']}: {m['content']}" for m in messages]
+            return "\n".join(lines) + "\nassistant:"
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
     # -- accounting ----------------------------------------------------------------------
+    def model_stats(self) -> ModelStats:
+        """The typed form of ``stats()`` that the layers above read."""
+        s = self.stats()
+        keys = ("steps", "generated_tokens", "prompt_tokens", "preemptions", "fragmentation")
+        return ModelStats(
+            self.name,
+            "llm",
+            running=s["running"],
+            waiting=s["waiting"],
+            counters={k: float(s[k]) for k in keys},
+            windows={
+                "queue_seconds": Window(tuple(self.queue_waits), self.num_started),
+                "ttft_seconds": Window(tuple(self.ttft), self.num_first_tokens),
+                "itl_seconds": Window(tuple(self.itl), self.num_itl),
+                "batch_tokens": Window(tuple(self.batch_tokens), self.num_steps),
+            },
+        )
+
     def stats(self) -> dict:
         sched = self.scheduler
         slots = sum(len(s.pages) for s in sched.running) * self.kv.tokens_per_page

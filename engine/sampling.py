@@ -10,10 +10,79 @@ from trae_groups.engine.errors import RequestError
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """Defaults are greedy decoding of up to 16 tokens."""
+class Bound:
+    """The allowed values of one numeric option: ``low``/``high`` (None: unbounded),
+    each inclusive or not. Upper layers turn it into their own checks (pydantic's
+    ``ge``/``gt``/``le``/``lt``) so a value is refused where it enters."""
 
-    max_tokens: int = 16
+    low: float | None = None
+    high: float | None = None
+    low_inclusive: bool = True
+    high_inclusive: bool = True
+    integer: bool = False
+
+    def admits(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if self.integer and not isinstance(value, int):
+            return False
+        if self.low is not None and (value < self.low or (value == self.low and not self.low_inclusive)):
+            return False
+        return self.high is None or not (
+            value > self.high or (value == self.high and not self.high_inclusive)
+        )
+
+    def describe(self) -> str:
+        kind = "an integer" if self.integer else "a number"
+        left = "[" if self.low_inclusive else "("
+        right = "]" if self.high_inclusive else ")"
+        low = "-inf" if self.low is None else f"{self.low:g}"
+        high = "inf" if self.high is None else f"{self.high:g}"
+        return f"must be {kind} in {left}{low}, {high}{right}"
+
+    def pydantic(self) -> dict[str, float]:
+        """The same bound as pydantic Field keywords."""
+        out: dict[str, float] = {}
+        if self.low is not None:
+            out["ge" if self.low_inclusive else "gt"] = self.low
+        if self.high is not None:
+            out["le" if self.high_inclusive else "lt"] = self.high
+        return out
+
+
+#: The one home of every sampling option's range. The graph spec and the OpenAI
+#: request models derive their checks from it (graphs.spec.sampling_field).
+BOUNDS: dict[str, Bound] = {
+    "max_tokens": Bound(1, 2**31, high_inclusive=False, integer=True),
+    "temperature": Bound(0.0, 2.0),
+    "top_k": Bound(0, 2**31, high_inclusive=False, integer=True),
+    "top_p": Bound(0.0, 1.0, low_inclusive=False),
+    "min_p": Bound(0.0, 1.0, high_inclusive=False),
+    "repetition_penalty": Bound(0.0, 10.0, low_inclusive=False),
+    "seed": Bound(0, 2**63, high_inclusive=False, integer=True),
+    "logprobs": Bound(0, 20, integer=True),
+}
+
+#: What each option means, written once (docs, the OpenAPI schema and --help read it).
+DESCRIPTIONS: dict[str, str] = {
+    "max_tokens": "tokens to generate at most",
+    "temperature": "0 is greedy decoding (the default); higher samples more freely",
+    "top_k": "sample among the k most likely tokens; 0 = off",
+    "top_p": "sample among the most likely tokens holding this probability mass",
+    "min_p": "drop tokens less likely than min_p x the most likely one",
+    "repetition_penalty": "divide the logits of tokens already seen (1 = off)",
+    "seed": "a seed makes sampling reproducible whatever shares the batch",
+    "stop": "strings that end the generation (not included in the text)",
+    "logprobs": "also return this many top alternatives per token",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. The defaults are the project's defaults everywhere
+    (graph nodes, the OpenAI routes): greedy decoding of up to 256 tokens."""
+
+    max_tokens: int = 256
     temperature: float = 0.0
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
@@ -35,33 +104,14 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        checks = [
-            (
-                "max_tokens",
-                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-                "must be an integer >= 1",
-            ),
-            ("temperature", 0.0 <= self.temperature <= 100.0, "must be in [0, 100]"),
-            (
-                "top_k",
-                isinstance(self.top_k, int) and 0 <= self.top_k < 2**31,
-                "must be an integer in [0, 2^31) (0 = off)",
-            ),
-            (
-                "seed",
-                self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
-                "must be an integer in [0, 2^63)",
-            ),
-            ("max_tokens", self.max_tokens < 2**31, "must be below 2^31"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("min_p", 0.0 <= self.min_p < 1.0, "must be in [0, 1)"),
-            ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
-            ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-        ]
-        for name, ok, message in checks:
-            if not ok:
-                raise RequestError(name, f"{message}, got {getattr(self, name)!r}")
+        for name, bound in BOUNDS.items():
+            value = getattr(self, name)
+            if value is None and name in ("seed", "logprobs"):
+                continue
+            if not bound.admits(value):
+                raise RequestError(name, f"{bound.describe()}, got {value!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestError("stop", f"must be non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:

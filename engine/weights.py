@@ -47,10 +47,15 @@ _TASKS = {
     "classify": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION"),
     "tag": ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION"),
     "embed": ("AutoModel", "MODEL"),
+    "rerank": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION"),
     "generate": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM"),
 }
 TASKS = tuple(_TASKS)
-_HEADS = {"classify": "ForSequenceClassification", "tag": "ForTokenClassification"}
+_HEADS = {
+    "classify": "ForSequenceClassification",
+    "rerank": "ForSequenceClassification",
+    "tag": "ForTokenClassification",
+}
 
 
 @dataclass(frozen=True)

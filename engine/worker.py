@@ -10,6 +10,10 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trae_groups.engine.protocol import ModelStats
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,12 @@ class Worker(ABC):
 
     def stats(self) -> dict:
         return {}
+
+    def model_stats(self) -> ModelStats:
+        """Typed stats for the layers above; workers with counters override it."""
+        from trae_groups.engine.protocol import ModelStats  # the protocol imports Priority
+
+        return ModelStats(self.name, "encoder")
 
     @abstractmethod
     def close(self) -> None:

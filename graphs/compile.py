@@ -227,6 +227,10 @@ def issues_from(problems: Iterable[Problem], source: SourceMap) -> list[Validati
 # ---------------------------------------------------------------- the compiled graph
 
 
+#: How many distinct sets of requested outputs a graph remembers the needed nodes of.
+NEEDED_CACHE_SIZE = 256
+
+
 @dataclass(frozen=True, eq=False)
 class CompiledGraph:
     """A validated graph as the executor needs it. Nothing here changes per request."""
@@ -237,22 +241,25 @@ class CompiledGraph:
     generations: tuple[tuple[str, ...], ...]
     order: tuple[str, ...]
     templates: Mapping[str, NodeTemplates]
-    _needed: dict[tuple[str, ...] | None, frozenset[str]] = field(default_factory=dict, repr=False)
+    _parents: Mapping[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
+    _needed: dict[frozenset[str] | None, tuple[str, ...]] = field(
+        default_factory=dict, repr=False
+    )
 
     @property
     def roots(self) -> tuple[str, ...]:
-        return tuple(n for n in self.order if self.dag.in_degree(n) == 0)
+        return tuple(n for n in self.order if not self._parents[n])
 
     def parents(self, node: str) -> tuple[str, ...]:
-        return tuple(p for p in self.order if self.dag.has_edge(p, node))
+        return self._parents[node]
 
     def children(self, node: str) -> tuple[str, ...]:
-        return tuple(c for c in self.order if self.dag.has_edge(node, c))
+        return tuple(c for c in self.order if node in self._parents[c])
 
     def skipped_because(self, node: str, skipped: Collection[str]) -> str | None:
         """The skip rule's first half: a skipped parent that is not `optional:`, if any."""
-        optional = set(self.spec.nodes[node].optional)
-        for parent in self.parents(node):
+        optional = self.spec.nodes[node].optional
+        for parent in self._parents[node]:
             if parent in skipped and parent not in optional:
                 return parent
         return None
@@ -262,10 +269,11 @@ class CompiledGraph:
         root = self.spec.outputs[output].split(".")[0]
         return None if root == "inputs" else root
 
-    def needed_for(self, outputs: Iterable[str] | None = None) -> frozenset[str]:
-        """The nodes that must run to produce these outputs (all outputs by default).
-        Asked once per request, so each set of outputs is worked out once."""
-        key = None if outputs is None else tuple(outputs)
+    def needed_for(self, outputs: Iterable[str] | None = None) -> tuple[str, ...]:
+        """The nodes that must run to produce these outputs (all outputs by default),
+        in run order. ``outputs`` must be known outputs (the caller checked them); each
+        set is worked out once, and at most NEEDED_CACHE_SIZE sets are remembered."""
+        key = None if outputs is None else frozenset(outputs)
         needed = self._needed.get(key)
         if needed is None:
             found: set[str] = set()
@@ -273,7 +281,9 @@ class CompiledGraph:
                 node = self.output_node(output)
                 if node is not None:
                     found |= {node} | nx.ancestors(self.dag, node)
-            needed = self._needed[key] = frozenset(found)
+            needed = tuple(n for n in self.order if n in found)
+            if len(self._needed) < NEEDED_CACHE_SIZE:
+                self._needed[key] = needed
         return needed
 
     def outputs(self, context: Mapping[str, Any], names: Iterable[str] | None = None) -> dict:
@@ -294,7 +304,8 @@ def compile_graph(spec: GraphSpec) -> CompiledGraph:
         dag.nodes[node].update(kind=spec.nodes[node].kind, depth=depth[node])
     generations = tuple(tuple(sorted(g, key=order.index)) for g in nx.topological_generations(dag))
     templates = {name: NodeTemplates(node) for name, node in spec.nodes.items()}
-    return CompiledGraph(spec, dag, depth, generations, order, templates)
+    parents = {n: tuple(p for p in order if dag.has_edge(p, n)) for n in order}
+    return CompiledGraph(spec, dag, depth, generations, order, templates, parents)
 
 
 # ---------------------------------------------------------------- python functions

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 class GraphError(Exception):
@@ -113,3 +114,11 @@ class GraphTimeout(GraphError, TimeoutError):
         what = f"node '{node}'" if node else "graph"
         after = f" after {timeout:g}s" if timeout is not None else ""
         super().__init__(f"{what} timed out{after}")
+
+
+def first_error(exc: Any) -> tuple[str | None, str]:
+    """(where, message) of a pydantic ValidationError's first error: the one way the
+    request path turns pydantic's errors into a 422 that names the field."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or None
+    return where, first["msg"]

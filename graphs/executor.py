@@ -1,57 +1,41 @@
 """Runs one request through a compiled graph.
 
-Every node the requested outputs need becomes a task that waits for its parents,
-applies the skip rule and its ``when:``, renders its input and submits one item to
-its model's client — so each model batches items from all in-flight requests. A
-failure names its node; ``on_error`` decides whether it fails the request, skips
-the node or stands in a default. Leaving early (error, timeout, client gone)
-cancels the other nodes, and their engine work is aborted.
+``prepare`` checks a request once (inputs against the graph's schema, asked outputs
+against its outputs) and mints its id; ``run`` walks it. Every node the asked outputs
+need becomes a task that waits for its parents, applies the skip rule and its
+``when:``, renders its templates (compiled once per graph) and hands its kind's
+``run`` (graphs/nodes.py) one typed call on its model's client, so each model
+batches items from all in-flight requests. A failure names its node; ``on_error``
+decides whether it fails the request, skips the node or stands in a default.
+Leaving early (error, timeout, client gone) cancels the other nodes, and each
+node's engine work is aborted by the client call it was waiting on.
 """
 
 from __future__ import annotations
 
-import inspect
-import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import anyio
 from pydantic import ValidationError
 
-from trae_groups.engine.sampling import SamplingParams
+from trae_groups.engine.protocol import ModelClient, new_request_id
 from trae_groups.engine.worker import Priority
 from trae_groups.graphs.compile import CompiledGraph
-from trae_groups.graphs.errors import GraphError, GraphTimeout, NodeError
+from trae_groups.graphs.errors import GraphError, GraphTimeout, NodeError, first_error
+from trae_groups.graphs.nodes import KINDS, GenerateNode, NodeCall
 from trae_groups.graphs.routing import VersionedModel
-from trae_groups.graphs.spec import GenerateNode, PythonNode
-from trae_groups.graphs.templates import evaluate_condition, render_template
-
-_request_ids = itertools.count()
 
 
 class InputError(GraphError, ValueError):
     """The request's inputs do not fit the graph's input schema; names the field."""
 
     def __init__(self, field: str, message: str):
-        super().__init__(f"inputs.{field}: {message}")
+        super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
-
-
-class ModelClient(Protocol):
-    """How the executor reaches a model: a local engine worker or, later, a remote one."""
-
-    async def encode(self, text: str, *, request_id: str, priority: Priority) -> dict: ...
-
-    def generate(
-        self, prompt: str, params: SamplingParams, *, request_id: str, priority: Priority
-    ) -> AsyncIterator[Any]: ...
-
-    def chat_prompt(self, messages: list[dict]) -> str: ...
-
-    def abort(self, request_id: str) -> None: ...
 
 
 @dataclass
@@ -63,9 +47,7 @@ class NodeRecord:
     finished: float | None = None
     error: str | None = None
     reason: str | None = None
-    usage: dict = field(
-        default_factory=dict
-    )  # generate nodes: tokens, prompt_tokens, finish_reason
+    usage: dict = field(default_factory=dict)  # generate nodes: tokens, prompt_tokens, ...
 
     @property
     def ms(self) -> float | None:
@@ -85,34 +67,45 @@ class RunResult:
 
 @dataclass
 class Event:
-    """A streamed event: node_started, node_finished, token, result, error."""
+    """A streamed event: node_started, node_finished, node_skipped, token, then
+    result (``result`` set) or error (``error`` set)."""
 
     type: str
     data: dict = field(default_factory=dict)
+    result: RunResult | None = None
+    error: BaseException | None = None
 
 
 EventSink = Callable[[Event], None]
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A request checked once: validated inputs, the outputs asked (None: all), its
+    id and time limit. ``run`` trusts it."""
+
+    inputs: dict[str, Any]
+    outputs: tuple[str, ...] | None
+    request_id: str
+    timeout: float | None
+
+
 class _Request:
-    """One request's state: its context (inputs and node results) and records."""
+    """One request's state while it runs: its context (inputs and node results)."""
 
-    def __init__(self, graph: CompiledGraph, inputs: dict, request_id: str, on_event):
-        self.graph = graph
-        self.context: dict[str, Any] = {"inputs": inputs}
-        self.request_id = request_id
+    def __init__(self, executor: GraphExecutor, prepared: Prepared, on_event: EventSink | None):
+        self.prepared = prepared
+        self.request_id = prepared.request_id
+        self.context: dict[str, Any] = {"inputs": prepared.inputs}
         self.arrival = time.monotonic()
-        self.records: dict[str, NodeRecord] = {}
-        self.done: dict[str, anyio.Event] = {}
+        needed = executor.graph.needed_for(prepared.outputs)
+        self.records = {name: NodeRecord() for name in needed}
+        self.done = {name: anyio.Event() for name in needed}
         self.skipped: set[str] = set()
-        self.versions: dict[str, str] = {}
-        self.clients: dict[
-            str, ModelClient
-        ] = {}  # fixed at the start: a version removed later still serves it
+        # each model's version, fixed at the start: a version removed later still serves it
+        self.versions = {n: m.choose(prepared.inputs) for n, m in executor.models.items()}
+        self.clients = {n: executor.models[n].clients[v] for n, v in self.versions.items()}
         self.emit: EventSink = on_event or (lambda event: None)
-
-    def priority(self, node: str) -> Priority:
-        return Priority(depth=self.graph.depth[node], arrival=self.arrival)
 
 
 class GraphExecutor:
@@ -135,68 +128,62 @@ class GraphExecutor:
         """Each model's client of its first version."""
         return {name: next(iter(m.clients.values())) for name, m in self.models.items()}
 
-    # -- the request path ------------------------------------------------------
-    def validate_inputs(self, inputs: Any) -> dict:
-        if not isinstance(inputs, dict):
-            raise InputError("(body)", "inputs must be an object")
-        try:
-            return self.input_model.model_validate(inputs).model_dump()
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(inputs)"
-            raise InputError(where, first["msg"]) from None
-
-    async def run(
+    # -- checking a request, once ----------------------------------------------------
+    def prepare(
         self,
-        inputs: dict,
+        inputs: Any,
         *,
         outputs: list[str] | None = None,
         timeout: float | None = None,
         request_id: str | None = None,
-        on_event: EventSink | None = None,
-    ) -> RunResult:
+    ) -> Prepared:
+        """Check a request (InputError names the field) and mint its id."""
         spec = self.graph.spec
         unknown = [o for o in outputs or [] if o not in spec.outputs]
         if unknown:
             raise InputError(
-                "outputs", f"unknown output {unknown[0]!r}; known: {sorted(spec.outputs)}"
+                "outputs", f"unknown output {unknown[0]!r}; known: {', '.join(spec.outputs)}"
             )
-        request = _Request(
-            self.graph,
-            self.validate_inputs(inputs),
-            request_id or f"{spec.name}-{next(_request_ids)}",
-            on_event,
+        if not isinstance(inputs, dict):
+            raise InputError("(body)", "inputs must be an object")
+        try:
+            valid = self.input_model.model_validate(inputs).model_dump()
+        except ValidationError as exc:
+            where, message = first_error(exc)
+            raise InputError(where or "(inputs)", message) from None
+        limit = spec.timeout if timeout is None else min(timeout, spec.timeout or timeout)
+        return Prepared(
+            valid,
+            None if outputs is None else tuple(outputs),
+            request_id or new_request_id(spec.name),
+            limit,
         )
-        request.versions = {
-            name: m.choose(request.context["inputs"]) for name, m in self.models.items()
-        }
-        request.clients = {
-            name: self.models[name].clients[v] for name, v in request.versions.items()
-        }
-        needed = [n for n in self.graph.order if n in self.graph.needed_for(outputs)]
-        request.done = {name: anyio.Event() for name in needed}
-        request.records = {name: NodeRecord() for name in needed}
-        limit = timeout if timeout is not None else spec.timeout
+
+    # -- the request path ------------------------------------------------------------
+    async def run(
+        self, request: Prepared | dict, *, on_event: EventSink | None = None, **prepare: Any
+    ) -> RunResult:
+        """Run one request (a Prepared one, or inputs that ``prepare`` checks here with
+        ``outputs``, ``timeout``, ``request_id``)."""
+        prepared = request if isinstance(request, Prepared) else self.prepare(request, **prepare)
+        state = _Request(self, prepared, on_event)
         start = time.perf_counter()
         try:
-            with anyio.fail_after(limit):
+            with anyio.fail_after(prepared.timeout):
                 async with anyio.create_task_group() as group:
-                    for name in needed:
-                        group.start_soon(self._run_node, request, name)
+                    for name in state.records:
+                        group.start_soon(self._run_node, state, name)
         except TimeoutError:
-            raise GraphTimeout(None, limit) from None
+            raise GraphTimeout(None, prepared.timeout) from None
         except BaseExceptionGroup as group_error:
             raise _first_graph_error(group_error) from None
-        finally:
-            self._abort_leftovers(request)
         result = RunResult(
-            request.request_id,
-            self.graph.outputs(request.context, outputs),
-            request.records,
+            prepared.request_id,
+            self.graph.outputs(state.context, prepared.outputs),
+            state.records,
             round((time.perf_counter() - start) * 1000, 3),
-            versions={m: v for m, v in request.versions.items() if len(self.models[m].clients) > 1},
+            versions={m: v for m, v in state.versions.items() if len(self.models[m].clients) > 1},
         )
-        request.emit(Event("result", {"outputs": result.outputs}))
         return result
 
     async def _run_node(self, request: _Request, name: str) -> None:
@@ -234,13 +221,8 @@ class GraphExecutor:
         """The skip rule (docs/graphs.md): a skipped non-optional parent, or a false `when:`."""
         because = self.graph.skipped_because(name, request.skipped)
         reason = f"parent '{because}' was skipped" if because else None
-        condition = self.graph.spec.nodes[name].when
         # a condition that raises is a node failure: on_error applies
-        if (
-            reason is None
-            and condition is not None
-            and not evaluate_condition(condition, request.context)
-        ):
+        if reason is None and not self.graph.templates[name].should_run(request.context):
             reason = "condition is false"
         if reason is None:
             return False
@@ -271,78 +253,36 @@ class GraphExecutor:
                 raise exc
             raise NodeError(name, exc) from exc
 
-    # -- calling a node --------------------------------------------------------
     async def _call(self, request: _Request, name: str) -> Any:
+        """One node's work: render its templates, then its kind runs it."""
         node = self.graph.spec.nodes[name]
-        context = request.context
-        if isinstance(node, PythonNode):
-            args = {key: _render_value(value, context) for key, value in node.args.items()}
-            function = self.functions[name]
-            if inspect.iscoroutinefunction(function):
-                return await function(**args)
-            return await anyio.to_thread.run_sync(lambda: function(**args))
-        client = request.clients[node.model]
-        priority = request.priority(name)
-        if isinstance(node, GenerateNode):
-            return await self._generate(request, name, node, client, priority)
-        text = render_template(node.input, context)
-        if not isinstance(text, str):
-            raise TypeError(f"input must render to a string, got {type(text).__name__}")
-        return await client.encode(text, request_id=request.request_id, priority=priority)
-
-    async def _generate(self, request, name, node: GenerateNode, client, priority) -> dict:
-        if node.prompt is not None:
-            prompt = render_template(node.prompt, request.context)
-            if not isinstance(prompt, str):
-                prompt = str(prompt)
-        else:
-            prompt = client.chat_prompt(_render_messages(node.messages, request.context))
-        p = node.params
-        params = SamplingParams(
-            max_tokens=p.max_tokens,
-            temperature=p.temperature,
-            top_k=p.top_k,
-            top_p=p.top_p,
-            min_p=p.min_p,
-            repetition_penalty=p.repetition_penalty,
-            seed=p.seed,
-            stop=tuple(p.stop),
+        model = getattr(node, "model", None)
+        call = NodeCall(
+            name=name,
+            node=node,
+            payload=self.graph.templates[name].render(request.context),
+            request_id=request.request_id,
+            priority=Priority(self.graph.depth[name], request.arrival),
+            client=request.clients[model] if model is not None else None,
+            function=self.functions.get(name),
+            emit=lambda type, data: request.emit(Event(type, data)),
         )
-        last = None
-        stream = client.generate(prompt, params, request_id=request.request_id, priority=priority)
-        async for out in stream:
-            if out.delta_text or out.delta_token_ids:
-                request.emit(Event("token", {"node": name, "text": out.delta_text}))
-            last = out
-        if last is None or last.error:
-            raise RuntimeError(last.error if last else "no output")
-        if last.finish_reason == "abort":
-            raise RuntimeError("generation was aborted")
-        return {
-            "text": last.text,
-            "tokens": len(last.token_ids),
-            "finish_reason": last.finish_reason,
-            "prompt_tokens": len(last.prompt_token_ids),
-        }
-
-    def _abort_leftovers(self, request: _Request) -> None:
-        """Free engine work of nodes that did not finish (cancelled, failed)."""
-        if all(r.status in ("ok", "skipped", "default") for r in request.records.values()):
-            return
-        for client in request.clients.values():
-            client.abort(request.request_id)
+        return await KINDS[node.kind].run(call)
 
     # -- streaming ------------------------------------------------------------
-    async def stream(self, inputs: dict, **kwargs) -> AsyncIterator[Event]:
-        """Events as they happen; ends with `result` or `error`. Closing it cancels the run."""
+    async def stream(self, request: Prepared | dict, **prepare: Any) -> AsyncIterator[Event]:
+        """Events as they happen; ends with ``result`` or ``error`` (a GraphError).
+        Closing it cancels the run, and with it every node's engine work."""
+        prepared = request if isinstance(request, Prepared) else self.prepare(request, **prepare)
         send, receive = anyio.create_memory_object_stream[Event](max_buffer_size=1 << 16)
 
         async def produce() -> None:
             async with send:
                 try:
-                    await self.run(inputs, on_event=send.send_nowait, **kwargs)
+                    result = await self.run(prepared, on_event=send.send_nowait)
+                    send.send_nowait(Event("result", {"outputs": result.outputs}, result=result))
                 except GraphError as exc:
-                    send.send_nowait(Event("error", error_body(exc)))
+                    send.send_nowait(Event("error", error_body(exc), error=exc))
 
         async with anyio.create_task_group() as group, receive:
             group.start_soon(produce)
@@ -371,22 +311,3 @@ def _first_graph_error(group: BaseExceptionGroup) -> BaseException:
         if isinstance(exc, GraphError):
             return exc
     return group.exceptions[0]
-
-
-def _render_value(value: Any, context: Mapping[str, Any]) -> Any:
-    if isinstance(value, str):
-        return render_template(value, context)
-    if isinstance(value, dict):
-        return {k: _render_value(v, context) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_render_value(v, context) for v in value]
-    return value
-
-
-def _render_messages(messages, context: Mapping[str, Any]) -> list[dict]:
-    if isinstance(messages, str):
-        rendered = render_template(messages, context)
-        if not isinstance(rendered, list):
-            raise TypeError("messages must render to a list of {role, content}")
-        return [dict(m) for m in rendered]
-    return [{"role": m.role, "content": str(render_template(m.content, context))} for m in messages]

@@ -23,15 +23,13 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from trae_groups.graphs.compile import Excused, check_graph, issues_from
 from trae_groups.graphs.errors import GraphValidationError, Location, SourceMap, ValidationIssue
 from trae_groups.graphs.spec import (
+    KINDS,
     NODE_KINDS,
-    ClassifyNode,
-    GenerateNode,
     GenerateParams,
     GraphSpec,
     InputSpec,
     MessageTemplate,
     ModelSpec,
-    PythonNode,
     SharingPolicy,
     with_inferred_kinds,
 )
@@ -45,8 +43,8 @@ _OWNER = {"models": "model", "inputs": "input", "outputs": "output"}
 _LABELS = {"[key]", "message-list", "message-template", *NODE_KINDS}
 _LABELS |= {"str", "int", "float", "bool", "list", "dict", "list[str]"}
 _SPEC_CLASSES: tuple[type[BaseModel], ...] = (
-    GraphSpec, ModelSpec, InputSpec, ClassifyNode, GenerateNode, GenerateParams,
-    MessageTemplate, PythonNode, SharingPolicy,
+    GraphSpec, ModelSpec, InputSpec, GenerateParams, MessageTemplate, SharingPolicy,
+    *(kind.spec for kind in KINDS.values()),
 )  # fmt: skip
 _FIELDS = sorted({name for cls in _SPEC_CLASSES for name in cls.model_fields} | {"kind"})
 

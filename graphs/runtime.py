@@ -9,27 +9,25 @@ like any model; the weight store holds their byte-identical tensors once.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from trae_groups.engine.batcher import BatcherConfig
+from trae_groups.engine.clients import LocalEncoder, LocalLLM
 from trae_groups.engine.config import DTYPES, EngineConfig
+from trae_groups.engine.encoder_runner import PAIR_TASKS
 from trae_groups.engine.encoder_worker import EncoderWorker
 from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.errors import ModelLoadError
 from trae_groups.engine.llm_runner import ATTN_NAME
-from trae_groups.engine.llm_worker import LLMWorker
-from trae_groups.engine.sampling import SamplingParams
+from trae_groups.engine.protocol import EngineStats
 from trae_groups.engine.weights import SharingPolicy, WeightStore
-from trae_groups.engine.worker import Priority
 from trae_groups.graphs.compile import CompiledGraph, compile_graph, resolve_functions
 from trae_groups.graphs.executor import GraphExecutor
 from trae_groups.graphs.routing import RouteError, VersionedModel, check_split
@@ -38,56 +36,9 @@ from trae_groups.graphs.spec import GraphSpec, ModelSpec
 log = logging.getLogger("trae_groups.graphs")
 
 
-class EncoderClient:
-    """A classify/tag/embed model as the executor sees it."""
-
-    def __init__(self, worker: EncoderWorker, head: str):
-        self.worker = worker
-        self.head = head
-
-    async def encode(self, text: str, *, request_id: str, priority: Priority) -> dict:
-        future = self.worker.submit(text, head=self.head, request_id=request_id, priority=priority)
-        result = await asyncio.wrap_future(future)
-        if "vector" in result:  # the graph-level name of an embedding
-            result = {
-                "embedding": result["vector"],
-                **{k: v for k, v in result.items() if k != "vector"},
-            }
-        return result
-
-    def abort(self, request_id: str) -> None:
-        self.worker.abort(request_id)
-
-
-class LLMClient:
-    """A causal LM on the engine."""
-
-    def __init__(self, engine: LLMEngine, worker: LLMWorker):
-        self.engine = engine
-        self.worker = worker
-
-    def generate(
-        self, prompt: str, params: SamplingParams, *, request_id: str, priority: Priority
-    ) -> AsyncIterator[Any]:
-        return self.engine.add_request(
-            prompt, params, request_id=request_id, model=self.worker.name, priority=priority
-        )
-
-    def chat_prompt(self, messages: list[dict]) -> str:
-        tokenizer = self.worker.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            # no chat template: a plain transcript the model can continue
-            lines = [f"{m['role']}: {m['content']}" for m in messages]
-            return "\n".join(lines) + "\nassistant:"
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-    def abort(self, request_id: str) -> None:
-        self.worker.abort(request_id)
-
-
 @dataclasses.dataclass
 class _Loaded:
-    client: EncoderClient | LLMClient
+    client: LocalEncoder | LocalLLM
     worker: Any
     path: str
     users: int = 1
@@ -230,7 +181,7 @@ class ModelRuntime:
 
     def _acquire(
         self, name: str, version: str, spec: ModelSpec, path: Path
-    ) -> EncoderClient | LLMClient:
+    ) -> LocalEncoder | LocalLLM:
         dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
         key = self._key(spec, path)
         if key in self._by_key:
@@ -245,11 +196,11 @@ class ModelRuntime:
             worker_name, path, model=loaded.model, tokenizer=loaded.tokenizer,
             max_num_seqs=spec.max_batch_size,
         )  # fmt: skip
-        client = LLMClient(self.engine, worker)
+        client = LocalLLM(worker, lambda: self.engine.loop.running)
         self._by_key[key] = _Loaded(client, worker, str(path))
         return client
 
-    def _load_encoders(self, wanted: list) -> dict[tuple[str, str], EncoderClient]:
+    def _load_encoders(self, wanted: list) -> dict[tuple[str, str], LocalEncoder]:
         """Load encoders new to this runtime, one worker per backbone: heads whose
         backbones hold the very same tensors (the weight store dedupes them) share a
         worker, so for a text that several heads need the backbone runs once."""
@@ -268,9 +219,11 @@ class ModelRuntime:
             member = (name, version, spec, path, head, loaded)
             # one backbone may carry a pooler that another head's copy leaves out
             vocab = loaded.tokenizer.get_vocab()
+            pairs = spec.task in PAIR_TASKS  # pair items cannot share a batch with texts
             group = next(
                 (g for g in groups
-                 if (ptrs <= g[0] or g[0] <= ptrs) and g[1][0][-1].tokenizer.get_vocab() == vocab),
+                 if (ptrs <= g[0] or g[0] <= ptrs) and g[1][0][-1].tokenizer.get_vocab() == vocab
+                 and (g[1][0][2].task in PAIR_TASKS) == pairs),
                 None,
             )  # fmt: skip
             if group is None:
@@ -285,7 +238,7 @@ class ModelRuntime:
                                    pool=self.engine.pool, wake=self.engine.loop.wake)  # fmt: skip
             self.engine.add_worker(worker)
             for name, version, spec, path, head, _loaded in members:
-                client = EncoderClient(worker, head)
+                client = LocalEncoder(worker, head, spec.task)
                 key = self._key(spec, path)
                 self._by_key[key] = _Loaded(client, worker, str(path))
                 clients[(name, version)] = client
@@ -311,8 +264,9 @@ class ModelRuntime:
             n += 1
         return f"{name}-{n}"
 
-    def stats(self) -> dict:
-        return self.engine.stats()
+    def stats(self) -> EngineStats:
+        """The engine's typed stats (what metrics and the CLI read)."""
+        return self.engine.engine_stats()
 
 
 def _batcher(spec: ModelSpec) -> BatcherConfig:

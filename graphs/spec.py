@@ -7,23 +7,17 @@ need the whole graph (references, cycles, task/kind fit, templates) live in
 
 from __future__ import annotations
 
-import keyword
 import os
-import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
-    AfterValidator,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
-    Discriminator,
     Field,
     JsonValue,
     PrivateAttr,
-    Tag,
     TypeAdapter,
     ValidationError,
     create_model,
@@ -32,111 +26,48 @@ from pydantic import (
 from typing_extensions import TypedDict  # pydantic needs it before Python 3.12
 
 from trae_groups.graphs.errors import SourceMap
-
-Task = Literal["classify", "tag", "embed", "generate"]
-NodeKind = Literal["classify", "tag", "embed", "generate", "python"]
-InputType = Literal["str", "int", "float", "bool", "list[str]", "messages"]
-TASKS: tuple[str, ...] = get_args(Task)
-NODE_KINDS: tuple[str, ...] = get_args(NodeKind)
-
-#: Which model tasks can run each model-backed node kind (a table, so adding e.g.
-#: "embed on a generate model" later is one line).
-KIND_TASKS: dict[str, frozenset[str]] = {kind: frozenset({kind}) for kind in TASKS}
-
-#: The fields of each node kind's result (the executor shapes engine results into
-#: these; an embedding's engine "vector" is "embedding" here). None: whatever a python
-#: function returns.
-RESULT_FIELDS: dict[str, frozenset[str] | None] = {
-    "classify": frozenset({"label", "score", "scores", "truncated"}),
-    "tag": frozenset({"spans", "truncated"}),
-    "embed": frozenset({"embedding", "dim", "truncated"}),
-    "generate": frozenset({"text", "tokens", "finish_reason"}),
-    "python": None,
-}
-
-#: Names a node cannot take: they mean something else inside templates.
-RESERVED_NAMES = frozenset(
-    {"inputs", "and", "or", "not", "in", "is", "if", "else", "true", "false", "none"}
-    | {"True", "False", "None", "loop", "self", "super", "caller", "varargs", "kwargs"}
-    | {"range", "dict", "lipsum", "cycler", "joiner", "namespace"}
+from trae_groups.graphs.nodes import (
+    KIND_TASKS,
+    KINDS,
+    NODE_KINDS,
+    RESULT_FIELDS,
+    TASKS,
+    ClassifyNode,
+    EmbedNode,
+    GenerateNode,
+    GenerateParams,
+    MessageTemplate,
+    ModelNode,
+    NodeBase,
+    NodeSpec,
+    PythonNode,
+    RerankNode,
+    TagNode,
+)
+from trae_groups.graphs.types import (
+    InputName,
+    NodeName,
+    Reference,
+    Seconds,
+    Slug,
+    Spec,
 )
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SLUG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-_REFERENCE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
+Task = Literal[TASKS]  # type: ignore[valid-type]  (the model tasks the node kinds run on)
+InputType = Literal["str", "int", "float", "bool", "list[str]", "messages"]
 
-
-# ---------------------------------------------------------------- small types
-
-
-def _identifier(kind: str, reserved: frozenset[str] = frozenset()) -> AfterValidator:
-    def check(name: str) -> str:
-        if not _IDENT.match(name):
-            raise ValueError(f"{kind} name {name!r} must be a letter or _ then letters, digits, _")
-        if name in reserved:
-            raise ValueError(f"{kind} name {name!r} is reserved in templates")
-        return name
-
-    return AfterValidator(check)
-
-
-def _slug(name: str) -> str:
-    if not _SLUG.match(name):
-        raise ValueError(f"name {name!r} may use letters, digits, '_', '.', '-' only")
-    return name
-
-
-def _duration(value: Any) -> Any:
-    """Seconds as a number, or a string such as "500ms", "2s", "1.5m"."""
-    if isinstance(value, bool):
-        raise ValueError("a duration is a number of seconds or a string like '500ms'")
-    if isinstance(value, str):
-        match = _DURATION.match(value)
-        if not match:
-            raise ValueError(f"bad duration {value!r}: use seconds or e.g. '500ms', '2s', '1m'")
-        scale = {"ms": 0.001, "s": 1.0, "m": 60.0, None: 1.0}[match.group(2)]
-        return float(match.group(1)) * scale
-    return value
-
-
-def _function_ref(value: str) -> str:
-    """'package.module:attr.path' syntax only; importing is resolve_functions()'s job."""
-    module, sep, attr = value.partition(":")
-    parts = module.split(".") + attr.split(".")
-    if not sep or not all(p.isidentifier() and not keyword.iskeyword(p) for p in parts):
-        raise ValueError("must look like 'package.module:function'")
-    return value
-
-
-def _reference(value: str) -> str:
-    if not _REFERENCE.match(value):
-        raise ValueError("must look like 'node.field' or 'inputs.name'")
-    return value
-
-
-def _as_list(value: Any) -> Any:
-    return [value] if isinstance(value, str) else value
-
-
-NodeName = Annotated[str, _identifier("node", RESERVED_NAMES)]
-InputName = Annotated[str, _identifier("input")]
-ArgName = Annotated[str, _identifier("argument")]
-Slug = Annotated[str, AfterValidator(_slug)]
-Seconds = Annotated[float, BeforeValidator(_duration), Field(gt=0)]
-FunctionRef = Annotated[str, AfterValidator(_function_ref)]
-Reference = Annotated[str, AfterValidator(_reference)]
-NameList = Annotated[list[str], BeforeValidator(_as_list)]
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+__all__ = [
+    "KINDS", "KIND_TASKS", "NODE_KINDS", "RESULT_FIELDS", "TASKS", "ClassifyNode",
+    "EmbedNode", "GenerateNode", "GenerateParams", "GraphSpec", "InputSpec",
+    "MessageTemplate", "ModelNode", "ModelSpec", "NodeBase", "NodeSpec", "PythonNode",
+    "RerankNode", "SharingPolicy", "TagNode",
+]  # fmt: skip
 
 
 # ---------------------------------------------------------------- models, inputs
 
 
-class ModelSpec(_Spec):
+class ModelSpec(Spec):
     """A model the graph uses: where its weights are and what it can do.
 
     Either one ``source`` folder, or ``versions`` (name → folder) with a ``route``
@@ -205,7 +136,7 @@ _ANNOTATIONS: dict[str, Any] = {
 _ADAPTERS = {name: TypeAdapter(annotation) for name, annotation in _ANNOTATIONS.items()}
 
 
-class InputSpec(_Spec):
+class InputSpec(Spec):
     """A graph input. Short form `text: str`; an input with a default is optional."""
 
     type: InputType
@@ -240,138 +171,6 @@ class InputSpec(_Spec):
         return _ANNOTATIONS[self.type]
 
 
-# ---------------------------------------------------------------- nodes
-
-
-class _NodeBase(_Spec):
-    """What every node kind shares: condition, ordering, timeout, error policy."""
-
-    when: str | None = None
-    after: NameList = []
-    optional: NameList = []
-    timeout: Seconds | None = None
-    on_error: Literal["fail", "skip", "default"] = "fail"
-    default: JsonValue = None
-    description: str | None = None
-
-    @model_validator(mode="after")
-    def _default_needs_policy(self) -> _NodeBase:
-        if self.default is not None and self.on_error != "default":
-            raise ValueError("'default' is only used with 'on_error: default'")
-        return self
-
-
-class ClassifyNode(_NodeBase):
-    """Sequence classification: result {label, score, scores, truncated}."""
-
-    kind: Literal["classify"]
-    model: str
-    input: str
-
-
-class TagNode(_NodeBase):
-    """Token classification: result {spans: [{entity, text, start, end, score}], truncated}."""
-
-    kind: Literal["tag"]
-    model: str
-    input: str
-
-
-class EmbedNode(_NodeBase):
-    """Embedding: result {embedding: [float], dim, truncated}."""
-
-    kind: Literal["embed"]
-    model: str
-    input: str
-    pooling: Literal["mean", "cls"] = "mean"
-    normalize: bool = False
-
-
-class MessageTemplate(_Spec):
-    """One chat message of a generate node; `content` is a template."""
-
-    role: str = Field(min_length=1)
-    content: str
-
-
-class GenerateParams(_Spec):
-    """Sampling parameters; temperature 0 means greedy, top_k 0 means off."""
-
-    max_tokens: int = Field(256, gt=0)
-    temperature: float = Field(1.0, ge=0)
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
-    stop: Annotated[list[Annotated[str, Field(min_length=1)]], BeforeValidator(_as_list)] = []
-    seed: int | None = None
-
-
-def _messages_tag(value: Any) -> str:
-    return "message-template" if isinstance(value, str) else "message-list"
-
-
-#: A list of message templates, or one template that yields a whole message list.
-Messages = Annotated[
-    Annotated[list[MessageTemplate], Tag("message-list")] | Annotated[str, Tag("message-template")],
-    Discriminator(_messages_tag),
-]
-
-
-class GenerateNode(_NodeBase):
-    """Causal LM: result {text, tokens, finish_reason}.
-
-    `prompt` is a template; or `messages` is a list of {role, content template}, or
-    one template that yields a message list (e.g. "{{ inputs.history }}"). Messages
-    go through the tokenizer's chat template at run time.
-    """
-
-    kind: Literal["generate"]
-    model: str
-    prompt: str | None = None
-    messages: Messages | None = None
-    params: GenerateParams = GenerateParams()
-
-    @model_validator(mode="after")
-    def _one_prompt(self) -> GenerateNode:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("a generate node needs exactly one of 'prompt' or 'messages'")
-        return self
-
-
-class PythonNode(_NodeBase):
-    """A user function 'module:function' (sync or async) called with rendered `args`.
-
-    Every string inside `args` is a template; other values pass as they are.
-    """
-
-    kind: Literal["python"]
-    function: FunctionRef
-    args: dict[ArgName, JsonValue] = {}
-
-
-ModelNode = ClassifyNode | TagNode | EmbedNode | GenerateNode
-
-
-def _node_tag(value: Any) -> str | None:
-    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
-    return kind if isinstance(kind, str) and kind in NODE_KINDS else None
-
-
-NodeSpec = Annotated[
-    Annotated[ClassifyNode, Tag("classify")]
-    | Annotated[TagNode, Tag("tag")]
-    | Annotated[EmbedNode, Tag("embed")]
-    | Annotated[GenerateNode, Tag("generate")]
-    | Annotated[PythonNode, Tag("python")],
-    Discriminator(
-        _node_tag,
-        custom_error_type="node_kind",
-        custom_error_message="cannot tell the node's kind",
-    ),
-]
-
-
 def infer_kind(node: Any, models: Any) -> str | None:
     """A node's kind when not given: its model's task, or python if it names a function."""
     if not isinstance(node, dict):
@@ -404,14 +203,14 @@ def with_inferred_kinds(data: Any) -> Any:
 # ---------------------------------------------------------------- the graph
 
 
-class SharingPolicy(_Spec):
+class SharingPolicy(Spec):
     """Hints for the engine: share the memory pool / the device across models, or not."""
 
     memory: Literal["shared", "isolated"] = "shared"
     gpu: Literal["shared", "dedicated"] = "shared"
 
 
-class GraphSpec(_Spec):
+class GraphSpec(Spec):
     """A whole graph. Equality compares the declaration, not where it came from."""
 
     name: Slug
@@ -488,10 +287,13 @@ class GraphSpec(_Spec):
 
 
 #: Field order of a node in a dump: what it is, what it reads, then how it runs.
-_NODE_KEY_ORDER = [
-    "kind", "model", "function", "description", "input", "pooling", "normalize", "prompt",
-    "messages", "args", "params", "when", "after", "optional", "timeout", "on_error", "default",
-]  # fmt: skip
+_NODE_KEY_ORDER = list(
+    dict.fromkeys(
+        ["kind", "model", "function", "description"]
+        + [f for k in KINDS.values() for f in k.spec.model_fields if f not in NodeBase.model_fields]
+        + list(NodeBase.model_fields)
+    )
+)
 
 
 class _Dumper(yaml.SafeDumper):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 from jinja2 import StrictUndefined, Undefined, meta, nodes
@@ -29,7 +28,7 @@ from jinja2.utils import Namespace
 from pydantic import BaseModel
 
 from trae_groups.graphs.errors import TemplateRenderError
-from trae_groups.graphs.spec import GenerateNode, NodeSpec, PythonNode
+from trae_groups.graphs.nodes import KINDS, TEMPLATE_FIELDS, NodeBase
 
 _SINGLE = re.compile(r"^\s*\{\{-?(.*?)-?\}\}\s*$", re.S)
 _FORBIDDEN_NODES = (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)
@@ -144,26 +143,19 @@ def _const(node: nodes.Node) -> Any:
     return node.value if isinstance(node, nodes.Const) else None
 
 
-def node_templates(node: NodeSpec | Mapping[str, Any]) -> Iterator[tuple[tuple, str, bool]]:
-    """Every template of a node as (path inside the node, source, is_condition).
+def node_templates(node: NodeBase | Mapping[str, Any]) -> Iterator[tuple[tuple, str, bool]]:
+    """Every template of a node as (path inside the node, source, is_condition): its
+    ``when`` and every string inside its kind's template fields.
 
     Takes a raw mapping too, so templates of a node that failed its shape checks
-    are still checked.
+    are still checked (all fields that are templates in any kind).
     """
     fields = node.model_dump() if isinstance(node, BaseModel) else node
     if isinstance(fields.get("when"), str):
         yield ("when",), fields["when"], True
-    for key in ("input", "prompt"):
-        if isinstance(fields.get(key), str):
-            yield (key,), fields[key], False
-    messages = fields.get("messages")
-    if isinstance(messages, str):
-        yield ("messages",), messages, False
-    elif isinstance(messages, list):
-        for i, message in enumerate(messages):
-            if isinstance(message, Mapping) and isinstance(message.get("content"), str):
-                yield ("messages", i, "content"), message["content"], False
-    yield from _value_templates(("args",), fields.get("args"))
+    kind = KINDS.get(fields.get("kind")) if isinstance(fields.get("kind"), str) else None
+    for key in kind.spec.TEMPLATES if kind else TEMPLATE_FIELDS:
+        yield from _value_templates((key,), fields.get(key))
 
 
 def _value_templates(path: tuple, value: Any) -> Iterator[tuple[tuple, str, bool]]:
@@ -252,53 +244,36 @@ def _describe(exc: Exception) -> str:
     return str(exc) if str(exc) else type(exc).__name__
 
 
-@lru_cache(maxsize=1024)
-def _compiled(source: str, condition: bool) -> GraphTemplate | Condition:
-    return Condition(source) if condition else GraphTemplate(source)
-
-
-def render_template(source: str, context: Mapping[str, Any]) -> Any:
-    """Render one template against a context (compiled once per distinct source)."""
-    return _compiled(source, False).render(context)
-
-
-def evaluate_condition(source: str, context: Mapping[str, Any]) -> bool:
-    """Evaluate one `when:` expression against a context."""
-    return _compiled(source, True).evaluate(context)
-
-
 class NodeTemplates:
     """A node's templates compiled once, for the executor to render per request.
 
-    render() gives: classify/tag/embed the input value; generate the prompt string
-    or a list of {role, content} dicts; python the keyword arguments dict.
+    render() gives {field: value} for each of the kind's template fields that is set
+    (every string inside it rendered), checked by the node's ``check_rendered``.
     """
 
-    def __init__(self, node: NodeSpec):
+    def __init__(self, node: NodeBase):
         self.node = node
         self.when = Condition(node.when) if node.when is not None else None
-        self._payload = _compile_payload(node)
+        self._payload = {
+            key: _compile_value(_plain(getattr(node, key)))
+            for key in node.TEMPLATES
+            if getattr(node, key) is not None
+        }
 
     def should_run(self, context: Mapping[str, Any]) -> bool:
         return self.when is None or self.when.evaluate(context)
 
-    def render(self, context: Mapping[str, Any]) -> Any:
-        value = _render_value(self._payload, context)
-        if isinstance(self.node, GenerateNode) and self.node.messages is not None:
-            return _check_messages(value)
-        return value
+    def render(self, context: Mapping[str, Any]) -> dict[str, Any]:
+        return self.node.check_rendered(_render_value(self._payload, context))
 
 
-def _compile_payload(node: NodeSpec) -> Any:
-    if isinstance(node, PythonNode):
-        return _compile_value(node.args)
-    if isinstance(node, GenerateNode):
-        if node.prompt is not None:
-            return GraphTemplate(node.prompt)
-        if isinstance(node.messages, str):
-            return GraphTemplate(node.messages)
-        return [{"role": m.role, "content": GraphTemplate(m.content)} for m in node.messages or ()]
-    return GraphTemplate(node.input)
+def _plain(value: Any) -> Any:
+    """Spec values as plain data (a message list's models become dicts)."""
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
 
 
 def _compile_value(value: Any) -> Any:
@@ -319,18 +294,6 @@ def _render_value(value: Any, context: Mapping[str, Any]) -> Any:
     if isinstance(value, list):
         return [_render_value(item, context) for item in value]
     return value
-
-
-def _check_messages(value: Any) -> list[dict]:
-    ok = isinstance(value, list) and all(
-        isinstance(m, Mapping)
-        and isinstance(m.get("role"), str)
-        and isinstance(m.get("content"), str)
-        for m in value
-    )
-    if not ok:
-        raise TemplateRenderError("messages must be a list of {role, content} with string values")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 def resolve_reference(reference: str, context: Mapping[str, Any]) -> Any:

@@ -28,6 +28,7 @@ from trae_groups.engine.errors import EngineStopped, RequestAborted, RequestErro
 from trae_groups.engine.loop import EngineLoop
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.ner import aggregate
+from trae_groups.engine.protocol import EncodeOptions
 from trae_groups.engine.weights import WeightStore
 
 transformers.logging.set_verbosity_error()
@@ -219,10 +220,11 @@ class TestBadInput:
     def test_bad_options_and_heads(self, folders, store):
         worker = EncoderWorker("e", store.load(folders["embed"], "embed"))
         with pytest.raises(RequestError) as err:
-            worker.submit("hi", pooling="max")
+            worker.submit("hi", options=EncodeOptions(pooling="max"))
         assert err.value.field == "pooling"
-        with pytest.raises(RequestError):
-            worker.submit("hi", temperature=0.3)
+        with pytest.raises(RequestError) as err:
+            worker.submit("hi", options=EncodeOptions(normalize="yes"))
+        assert err.value.field == "normalize"
         with pytest.raises(RequestError) as err:
             worker.submit("hi", head="nope")
         assert err.value.field == "head"
@@ -359,10 +361,10 @@ class TestWorker:
         worker = EncoderWorker("clf", store.load(folders["clf"], "classify"))
         real = worker.runner.result
 
-        def result(head, output, encoded, row, **options):
+        def result(head, output, encoded, row, options):
             if encoded.texts[row] == "boom":
                 raise RuntimeError("bad item")
-            return real(head, output, encoded, row, **options)
+            return real(head, output, encoded, row, options)
 
         worker.runner.result = result
         good, bad = worker.submit("hello"), worker.submit("boom")

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import build_encoder, build_llm
 from trae_groups.engine import EngineConfig, SamplingParams
+from trae_groups.engine.protocol import EncodeRequest
 from trae_groups.graphs.errors import GraphTimeout, NodeError
 from trae_groups.graphs.executor import InputError
 from trae_groups.graphs.loader import load_graph_text
@@ -76,9 +77,9 @@ def test_support_graph_batches_every_node_and_matches_models_alone(model_dirs):
             return await asyncio.gather(*(executor.run({"text": t}) for t in texts))
 
         results = asyncio.run(all_at_once())
-        stats = rt.stats()["workers"]
-        assert max(stats["intent"]["batch_sizes"]) > 1
-        assert max(stats["ner"]["batch_sizes"]) > 1
+        models = rt.stats().models
+        assert max(models["intent"].batch_sizes) > 1
+        assert max(models["ner"].batch_sizes) > 1
         assert max(rt.engine.llms["dialog"].batch_tokens) > 1 + 20  # several prompts per step
         assert rt.engine.pool.stats().used_pages == 0
         # each model alone, one request at a time, gives the same answers
@@ -86,7 +87,7 @@ def test_support_graph_batches_every_node_and_matches_models_alone(model_dirs):
         dialog = rt.engine.llms["dialog"]
 
         async def alone(text):
-            label = await intent.encode(text, request_id="solo", priority=_p())
+            label = await intent.encode(EncodeRequest(text, "solo", priority=_p()))
             return label["label"]
 
         for text, result in zip(texts[:8], results[:8], strict=True):

@@ -57,7 +57,8 @@ def test_explicit_kind_equals_inferred_kind():
 def test_defaults():
     node = spec_of(BASE).nodes["reply"]
     assert node.params == GenerateParams()
-    assert (node.params.max_tokens, node.params.temperature, node.params.top_p) == (256, 1.0, 1.0)
+    # one default everywhere (engine/sampling.py): greedy, 256 tokens
+    assert (node.params.max_tokens, node.params.temperature, node.params.top_p) == (256, 0.0, 1.0)
     assert node.on_error == "fail" and node.after == [] and node.optional == []
     assert node.timeout is None and node.when is None
     assert spec_of(BASE).sharing.memory == "shared"

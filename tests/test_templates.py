@@ -8,13 +8,21 @@ from trae_groups.graphs.errors import TemplateRenderError
 from trae_groups.graphs.spec import GenerateNode, PythonNode, TagNode
 from trae_groups.graphs.templates import (
     ENV,
+    Condition,
     GraphTemplate,
     NodeTemplates,
     analyze,
-    evaluate_condition,
-    render_template,
     resolve_reference,
 )
+
+
+def render(source, context):
+    return GraphTemplate(source).render(context)
+
+
+def condition(source, context):
+    return Condition(source).evaluate(context)
+
 
 CONTEXT = {
     "inputs": {"text": "hello", "tags": ["a", "b"], "n": 3},
@@ -51,7 +59,7 @@ CONTEXT = {
 )
 def test_sandbox_refuses_code_execution(template):
     with pytest.raises(TemplateRenderError):
-        render_template(template, CONTEXT)
+        render(template, CONTEXT)
     assert CONTEXT["inputs"]["tags"] == ["a", "b"] and CONTEXT["inputs"]["text"] == "hello"
 
 
@@ -67,7 +75,7 @@ def test_sandbox_refuses_code_execution(template):
 def test_sandbox_has_no_file_access(template):
     assert ENV.loader is None
     with pytest.raises(TemplateRenderError):
-        render_template(template, CONTEXT)
+        render(template, CONTEXT)
     assert any("cannot include" in p.message for p in analyze(template).problems)
 
 
@@ -79,7 +87,7 @@ def test_no_extensions_and_few_globals():
 
 def test_range_is_bounded():
     with pytest.raises(TemplateRenderError, match="Range too big"):
-        render_template("{{ range(10**9) | list }}", CONTEXT)
+        render("{{ range(10**9) | list }}", CONTEXT)
 
 
 def test_validation_never_evaluates_a_template():
@@ -90,9 +98,9 @@ def test_validation_never_evaluates_a_template():
 
 def test_undefined_is_an_error_not_an_empty_string():
     with pytest.raises(TemplateRenderError, match="no attribute 'nope'"):
-        render_template("Intent: {{ intent.nope }}", CONTEXT)
+        render("Intent: {{ intent.nope }}", CONTEXT)
     with pytest.raises(TemplateRenderError, match="'missing' is undefined"):
-        render_template("{{ missing }}", CONTEXT)
+        render("{{ missing }}", CONTEXT)
 
 
 # ---------------------------------------------------------------- raw-value rule
@@ -117,14 +125,14 @@ def test_undefined_is_an_error_not_an_empty_string():
     ],
 )
 def test_raw_value_rule(template, expected):
-    assert render_template(template, CONTEXT) == expected
+    assert render(template, CONTEXT) == expected
 
 
 def test_mapping_keys_win_over_methods():
-    assert render_template("{{ retrieve.items }}", CONTEXT) == ["doc1", "doc2"]
-    assert render_template("{{ retrieve.keys }}", CONTEXT) == 2
+    assert render("{{ retrieve.items }}", CONTEXT) == ["doc1", "doc2"]
+    assert render("{{ retrieve.keys }}", CONTEXT) == 2
     loop = "{% for k, v in intent.scores.items() %}{{ k }}{% endfor %}"
-    assert render_template(loop, CONTEXT) == "billing"
+    assert render(loop, CONTEXT) == "billing"
 
 
 # ---------------------------------------------------------------- conditions
@@ -142,14 +150,14 @@ def test_mapping_keys_win_over_methods():
     ],
 )
 def test_conditions(expression, expected):
-    assert evaluate_condition(expression, CONTEXT) is expected
+    assert condition(expression, CONTEXT) is expected
 
 
 def test_condition_errors():
     with pytest.raises(TemplateRenderError, match="condition"):
-        evaluate_condition("intent.nope == 1", CONTEXT)
+        condition("intent.nope == 1", CONTEXT)
     with pytest.raises(TemplateRenderError):
-        evaluate_condition("skipped.label == 'x'", CONTEXT)
+        condition("skipped.label == 'x'", CONTEXT)
     assert analyze("a b", expression=True).problems
     assert analyze("a }} {{ b", expression=True).problems
 
@@ -182,13 +190,13 @@ def test_syntax_error_line():
 def test_model_node_input():
     node = TagNode(kind="tag", model="ner", input="{{ inputs.text }}", when="intent.score > 0.5")
     templates = NodeTemplates(node)
-    assert templates.render(CONTEXT) == "hello"
+    assert templates.render(CONTEXT) == {"input": "hello"}
     assert templates.should_run(CONTEXT)
 
 
 def test_generate_prompt_and_messages():
     prompt = GenerateNode(kind="generate", model="llm", prompt="Intent: {{ intent.label }}")
-    assert NodeTemplates(prompt).render(CONTEXT) == "Intent: billing"
+    assert NodeTemplates(prompt).render(CONTEXT) == {"prompt": "Intent: billing"}
     chat = GenerateNode(
         kind="generate",
         model="llm",
@@ -197,7 +205,7 @@ def test_generate_prompt_and_messages():
             {"role": "user", "content": "{{ inputs.text }}"},
         ],
     )
-    assert NodeTemplates(chat).render(CONTEXT) == [
+    assert NodeTemplates(chat).render(CONTEXT)["messages"] == [
         {"role": "system", "content": "Intent billing"},
         {"role": "user", "content": "hello"},
     ]
@@ -207,7 +215,7 @@ def test_messages_from_one_reference():
     node = GenerateNode(kind="generate", model="llm", messages="{{ inputs.history }}")
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     context = {**CONTEXT, "inputs": {"history": history}}
-    assert NodeTemplates(node).render(context) == history
+    assert NodeTemplates(node).render(context) == {"messages": history}
     with pytest.raises(TemplateRenderError, match="messages must be"):
         NodeTemplates(node).render({"inputs": {"history": "not a list"}})
 
@@ -218,7 +226,7 @@ def test_python_args_render_recursively():
         function="m:f",
         args={"query": "{{ inputs.text }}", "k": 3, "tags": ["{{ inputs.tags }}", "x"], "opts": {"s": "{{ intent.score }}"}},
     )  # fmt: skip
-    assert NodeTemplates(node).render(CONTEXT) == {
+    assert NodeTemplates(node).render(CONTEXT)["args"] == {
         "query": "hello",
         "k": 3,
         "tags": [["a", "b"], "x"],

@@ -14,6 +14,7 @@ import torch
 
 from conftest import build_encoder
 from trae_groups.engine import EngineConfig, ModelLoadError
+from trae_groups.engine.protocol import EncodeRequest
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.routing import RouteError, Router, parse_split
 from trae_groups.graphs.runtime import ModelRuntime
@@ -104,7 +105,6 @@ def test_bad_routes_in_yaml_are_validation_errors(versions):
 
 
 def test_a_request_uses_one_version_for_all_its_nodes(versions):
-    from trae_groups.engine import Priority
 
     rt, executor = start(graph(versions))
     try:
@@ -118,7 +118,7 @@ def test_a_request_uses_one_version_for_all_its_nodes(versions):
         clients = rt.versioned("routed", "clf").clients
 
         async def alone(version, text):
-            out = await clients[version].encode(text, request_id="solo", priority=Priority())
+            out = await clients[version].encode(EncodeRequest(text, "solo"))
             return out["scores"]
 
         for text, r in list(zip(texts, results, strict=True))[:8]:

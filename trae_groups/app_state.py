@@ -127,8 +127,7 @@ def node_infos(executor: GraphExecutor) -> dict[str, NodeInfo]:
         if isinstance(node, PythonNode):
             infos[name] = NodeInfo("python", "")
             continue
-        worker = getattr(executor.clients.get(node.model), "worker", None)
-        infos[name] = NodeInfo(node.kind, getattr(worker, "name", node.model))
+        infos[name] = NodeInfo(node.kind, executor.clients[node.model].name)
     return infos
 
 
@@ -172,7 +171,7 @@ class AppState:
         self.created = int(time.time())
         self.on_load_failed: Callable[[], None] | None = None  # serve() stops the process
         self.metrics.watch_engine(
-            lambda: self.runtime,
+            lambda: self.runtime.stats() if self.runtime is not None else None,
             lambda: {g.name: g.nodes for g in self.graphs.values()},
             lambda: self.ready and not self.draining,
         )
@@ -194,14 +193,14 @@ class AppState:
             self.load_error = f"{type(exc).__name__}: {exc}"
             raise
         self.settle_heap(refreeze=False)
-        engine = runtime.engine
+        stats = runtime.stats()
         log.info(
             "ready: %d graph(s) on device %s, attention backend %s, pool %d pages x %d bytes",
             len(self.graphs),
-            engine_config.device,
-            engine.backend.name,
-            engine.pool.num_pages,
-            engine.pool.page_bytes,
+            stats.device,
+            stats.attention_backend,
+            stats.pool.num_pages,
+            stats.pool.page_bytes,
         )
         self.ready = True
 

@@ -88,13 +88,13 @@ def _load_runtime(paths: Sequence[str], config) -> tuple[Any, list[Any]]:
     specs = [load_graph(p) for p in paths]
     runtime = ModelRuntime.for_specs(specs, config)
     executors = [runtime.bind(spec) for spec in specs]
-    engine = runtime.engine
+    stats = runtime.stats()
     log.info(
         "engine on device %s, attention backend %s, pool %d pages x %d bytes",
-        config.device,
-        engine.backend.name,
-        engine.pool.num_pages,
-        engine.pool.page_bytes,
+        stats.device,
+        stats.attention_backend,
+        stats.pool.num_pages,
+        stats.pool.page_bytes,
     )
     return runtime, executors
 

@@ -8,28 +8,20 @@ A streamed run sends ``node_started``, ``node_finished``, ``node_skipped`` and
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
-import anyio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from trae_groups.app_state import CLIENT_GONE, AppState, ServedGraph
-from trae_groups.graphs.executor import Event, RunResult
-from trae_groups.graphs.spec import GenerateNode, GraphSpec
-from trae_groups.http_errors import HTTPError, bad_request, error_body, status_of
-from trae_groups.http_io import (
-    Emit,
-    EventStream,
-    ResultResponse,
-    new_request_id,
-    read_json,
-    sse,
-    until_disconnect,
-)
+from trae_groups.graphs.errors import first_error
+from trae_groups.graphs.executor import RunResult
+from trae_groups.graphs.nodes import KINDS
+from trae_groups.graphs.spec import GraphSpec
+from trae_groups.http_errors import bad_request, error_body, status_of
+from trae_groups.http_io import Emit, EventStream, ResultResponse, read_json, sse, until_disconnect
 
 
 class RunRequest(BaseModel):
@@ -49,9 +41,8 @@ def parse_run_request(body: Any) -> RunRequest:
     try:
         return RunRequest.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
-        raise bad_request(f"{where}: {first['msg']}" if where else first["msg"], where) from None
+        where, message = first_error(exc)
+        raise bad_request(f"{where}: {message}" if where else message, where) from None
 
 
 def result_body(result: RunResult) -> dict:
@@ -74,48 +65,27 @@ def result_body(result: RunResult) -> dict:
     return body
 
 
-def _timeout(served: ServedGraph, asked: float | None) -> float | None:
-    own = served.spec.timeout
-    if asked is None or own is None:
-        return asked if own is None else own
-    return min(asked, own)
-
-
-def _check_outputs(served: ServedGraph, outputs: list[str] | None) -> None:
-    for name in outputs or []:
-        if name not in served.spec.outputs:
-            known = ", ".join(served.spec.outputs)
-            raise HTTPError(
-                422, f"unknown output '{name}'; known: {known}", field="outputs", type="InputError"
-            )
-
-
 async def run_graph(request: Request) -> Response:
     state: AppState = request.app.state.trae
     served = state.graph(request.path_params["name"])
     body = parse_run_request(await read_json(request, state.config.max_body_bytes))
     ticket = state.admit(served)
     try:
-        executor = ticket.executor
-        _check_outputs(served, body.outputs)
-        executor.validate_inputs(body.inputs)
+        prepared = ticket.executor.prepare(
+            body.inputs, outputs=body.outputs, timeout=body.timeout
+        )
     except Exception as exc:
         ticket.release()
         state.record(served, time.perf_counter(), None, exc)
         raise
-    request_id = new_request_id(served.name)
-    kwargs = dict(
-        outputs=body.outputs, timeout=_timeout(served, body.timeout), request_id=request_id
-    )
-    headers = {"X-Request-ID": request_id}
+    headers = {"X-Request-ID": prepared.request_id}
     if body.stream:
-        produce = _graph_events(state, served, executor, body.inputs, kwargs)
+        produce = _graph_events(state, served, ticket.executor, prepared)
         return EventStream(produce, ticket.release, headers)
     start = time.perf_counter()
-    clock = state.metrics.token_clock(served.nodes)
     try:
         result, _gone = await until_disconnect(
-            request.receive, lambda: executor.run(body.inputs, on_event=clock, **kwargs)
+            request.receive, lambda: ticket.executor.run(prepared)
         )
     except Exception as exc:
         state.record(served, start, None, exc)
@@ -128,62 +98,33 @@ async def run_graph(request: Request) -> Response:
     return ResultResponse(result_body(result), headers=headers)
 
 
-def _graph_events(state: AppState, served: ServedGraph, executor, inputs, kwargs):
+def _graph_events(state: AppState, served: ServedGraph, executor, prepared):
     """The SSE producer of one streamed run: node events and tokens, result, done."""
 
     async def produce(emit: Emit) -> None:
         start = time.perf_counter()
-        clock = state.metrics.token_clock(served.nodes)
-        send, receive = anyio.create_memory_object_stream[Event](math.inf)
-        outcome: dict[str, Any] = {}
-
-        def sink(event: Event) -> None:
-            clock(event)
-            if event.type != "result":  # ours, with nodes and timings, comes last
-                send.send_nowait(event)
-
-        async def run() -> None:
-            with send:
-                try:
-                    outcome["result"] = await executor.run(inputs, on_event=sink, **kwargs)
-                except Exception as exc:
-                    outcome["error"] = exc
-
         try:
-            async with anyio.create_task_group() as group, receive:
-                group.start_soon(run)
-                async for event in receive:
+            async for event in executor.stream(prepared):
+                if event.type == "result":
+                    state.record(served, start, event.result)
+                    await emit(sse("result", result_body(event.result)))
+                elif event.type == "error":
+                    await _error_event(emit, state, served, start, event.error)
+                else:
                     await emit(sse(event.type, event.data))
+        except Exception as exc:
+            await _error_event(emit, state, served, start, exc)
         except BaseException:
             state.record(served, start, None)  # the client left
             raise
-        if "error" in outcome:
-            error = outcome["error"]
-            state.record(served, start, None, error)
-            await emit(sse("error", {**error_body(error), "status": status_of(error)}))
-        else:
-            state.record(served, start, outcome["result"])
-            await emit(sse("result", result_body(outcome["result"])))
         await emit(sse("done", {}))
 
     return produce
 
 
-_RESULT_TYPES: dict[str, dict[str, dict]] = {
-    "classify": {
-        "label": {"type": "string"},
-        "score": {"type": "number"},
-        "scores": {"type": "object", "additionalProperties": {"type": "number"}},
-    },
-    "tag": {"spans": {"type": "array", "items": {"type": "object"}}},
-    "embed": {"embedding": {"type": "array", "items": {"type": "number"}}},
-    "generate": {
-        "text": {"type": "string"},
-        "tokens": {"type": "integer"},
-        "finish_reason": {"type": "string"},
-    },
-    "python": {},
-}
+async def _error_event(emit: Emit, state: AppState, served, start: float, error) -> None:
+    state.record(served, start, None, error)
+    await emit(sse("error", {**error_body(error), "status": status_of(error)}))
 
 
 def input_schema(spec: GraphSpec, ref_template: str = "#/$defs/{model}") -> dict:
@@ -201,7 +142,7 @@ def output_schema(spec: GraphSpec) -> dict:
         elif not rest:
             schema = {"type": "object"} if spec.nodes[root].kind != "python" else {}
         elif len(rest) == 1:
-            schema = dict(_RESULT_TYPES[spec.nodes[root].kind].get(rest[0], {}))
+            schema = dict((KINDS[spec.nodes[root].kind].result or {}).get(rest[0], {}))
         else:
             schema = {}
         properties[name] = {"anyOf": [schema, {"type": "null"}]} if schema else {}
@@ -253,7 +194,7 @@ def summary(served: ServedGraph) -> dict:
         "outputs": list(spec.outputs),
         "nodes": len(spec.nodes),
         "models": sorted(spec.models),
-        "streams_tokens": any(isinstance(n, GenerateNode) for n in spec.nodes.values()),
+        "streams_tokens": any(n.kind == "generate" for n in spec.nodes.values()),
         "ready": served.executor is not None,
     }
 

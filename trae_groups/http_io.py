@@ -9,7 +9,6 @@ moment the client leaves (the executor then aborts its engine work).
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -143,7 +142,3 @@ def sse(event: str | None, data: Any) -> str:
     payload = data if isinstance(data, str) else dumps(data)
     head = f"event: {event}\n" if event else ""
     return f"{head}data: {payload}\n\n"
-
-
-def new_request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:16]}"

@@ -26,7 +26,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from trae_groups.graphs.executor import Event
+from trae_groups.engine.memory_pool import PoolStats
+from trae_groups.engine.protocol import EngineStats, ModelStats, Window
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -93,15 +94,6 @@ class Metrics:
             "time in the engine's queue is trae_engine_queue_seconds, per model)",
             versioned, buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        self.ttft = Histogram(
-            "trae_time_to_first_token_seconds",
-            "Time to first token: generate node start (or request arrival) to first token",
-            ["model"], buckets=TOKEN_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.itl = Histogram(
-            "trae_inter_token_latency_seconds", "Time between streamed tokens", ["model"],
-            buckets=TOKEN_BUCKETS, registry=r,
-        )  # fmt: skip
         self.openai_requests = Counter(
             "trae_openai_requests", "OpenAI-compatible requests, by endpoint, model and status",
             ["endpoint", "model", "code"], registry=r,
@@ -140,46 +132,18 @@ class Metrics:
             if record.ms is not None:
                 self.node_latency.labels(graph, name, version).observe(record.ms / 1000.0)
 
-    def token_clock(self, nodes: Mapping[str, NodeInfo]) -> TokenClock:
-        return TokenClock(self, nodes)
-
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def watch_engine(
         self,
-        runtime: Callable[[], Any],
+        stats: Callable[[], EngineStats | None],
         graphs: Callable[[], Mapping[str, Mapping[str, NodeInfo]]],
         ready: Callable[[], bool],
     ) -> EngineCollector:
-        collector = EngineCollector(runtime, graphs, ready)
+        collector = EngineCollector(stats, graphs, ready)
         self.registry.register(collector)
         return collector
-
-
-class TokenClock:
-    """An executor event sink that times tokens per generate node (TTFT and ITL)."""
-
-    def __init__(self, metrics: Metrics, nodes: Mapping[str, NodeInfo]):
-        self._metrics = metrics
-        self._nodes = nodes
-        self._started: dict[str, float] = {}
-        self._last: dict[str, float] = {}
-        self.tokens: dict[str, int] = {}
-
-    def __call__(self, event: Event) -> None:
-        node = event.data.get("node")
-        now = time.perf_counter()
-        if event.type == "node_started":
-            self._started[node] = now
-        elif event.type == "token" and node in self._nodes:
-            model = self._nodes[node].model
-            if node in self._last:
-                self._metrics.itl.labels(model).observe(now - self._last[node])
-            elif node in self._started:
-                self._metrics.ttft.labels(model).observe(now - self._started[node])
-            self._last[node] = now
-            self.tokens[node] = self.tokens.get(node, 0) + 1
 
 
 # ---------------------------------------------------------------- engine, at scrape time
@@ -235,11 +199,11 @@ class EngineCollector(Collector):
 
     def __init__(
         self,
-        runtime: Callable[[], Any],
+        stats: Callable[[], EngineStats | None],
         graphs: Callable[[], Mapping[str, Mapping[str, NodeInfo]]],
         ready: Callable[[], bool],
     ):
-        self._runtime = runtime
+        self._stats = stats
         self._graphs = graphs
         self._ready = ready
         self._lock = threading.Lock()
@@ -255,13 +219,13 @@ class EngineCollector(Collector):
         ready.add_metric([], 1.0 if self._ready() else 0.0)
         yield ready
         yield from self._node_info()
-        runtime = self._runtime()
-        if runtime is None:
+        stats = self._stats()
+        if stats is None:
             return
         with self._lock:
-            yield from self._engine(runtime.engine, runtime.config)
-            yield from self._pool(runtime.engine.pool, runtime.engine.loop.workers)
-            yield from self._workers(runtime.engine)
+            yield from self._engine(stats)
+            yield from self._pool(stats.pool, stats.models)
+            yield from self._workers(stats.models)
 
     def _node_info(self) -> Iterable[Metric]:
         info = GaugeMetricFamily(
@@ -272,47 +236,34 @@ class EngineCollector(Collector):
                 info.add_metric([graph, node, node_info.kind, node_info.model], 1.0)
         yield info
 
-    def _engine(self, engine: Any, config: Any) -> Iterable[Metric]:
+    def _engine(self, stats: EngineStats) -> Iterable[Metric]:
         info = InfoMetricFamily("trae_engine", "The engine's attention backend and device")
         info.add_metric(
             [],
-            {
-                "attention_backend": engine.backend.name,
-                "device": str(config.device),
-                "dtype": str(config.dtype),
-            },
-        )
+            {"attention_backend": stats.attention_backend, "device": stats.device,
+             "dtype": stats.dtype},
+        )  # fmt: skip
         yield info
-        loop = engine.loop
         steps = CounterMetricFamily("trae_engine_steps", "Batches the engine loop has run")
-        steps.add_metric([], float(loop.steps))
+        steps.add_metric([], float(stats.steps))
         yield steps
-        yield from self._utilization(loop, str(config.device))
-
-    def _utilization(self, loop: Any, device: str) -> Iterable[Metric]:
-        """Busy fraction since the previous scrape, from the loop's ``busy_seconds``
-        counter (NaN on an engine that does not keep one)."""
+        yield _counter(
+            "trae_engine_busy_seconds", "Time the engine thread spent stepping", stats.busy_seconds
+        )
         gauge = GaugeMetricFamily(
             "device_utilization",
             "Fraction of wall time the engine thread was busy stepping, since the last scrape",
             labels=["device"],
         )
-        busy = getattr(loop, "busy_seconds", None)
-        if busy is None:
-            gauge.add_metric([device], math.nan)
-            yield gauge
-            return
-        yield _counter("trae_engine_busy_seconds", "Time the engine thread spent stepping", busy)
         now = time.monotonic()
         last_busy, last_wall = self._busy_mark
-        self._busy_mark = (busy, now)
+        self._busy_mark = (stats.busy_seconds, now)
         elapsed = now - last_wall
-        share = (busy - last_busy) / elapsed if elapsed > 0 else 0.0
-        gauge.add_metric([device], min(1.0, max(0.0, share)))
+        share = (stats.busy_seconds - last_busy) / elapsed if elapsed > 0 else 0.0
+        gauge.add_metric([stats.device], min(1.0, max(0.0, share)))
         yield gauge
 
-    def _pool(self, pool: Any, models: Iterable[str]) -> Iterable[Metric]:
-        stats = _pool_stats(pool)
+    def _pool(self, stats: PoolStats, models: Iterable[str]) -> Iterable[Metric]:
         pages = GaugeMetricFamily("trae_pool_pages", "Pool pages by state", labels=["state"])
         for state in ("used", "free", "cached"):
             pages.add_metric([state], float(getattr(stats, f"{state}_pages")))
@@ -343,69 +294,72 @@ class EngineCollector(Collector):
         yield _counter("trae_prefix_cache_hits", "Prefix-cache hits", stats.prefix_hits)
         yield _counter("trae_pool_evictions", "Cached pages evicted for room", stats.evictions)
 
-    def _workers(self, engine: Any) -> Iterable[Metric]:
-        llm = {name: w.stats() for name, w in engine.llms.items()}
-        encoders = {
-            name: w
-            for name, w in engine.loop.workers.items()
-            if name not in llm and hasattr(w, "batch_sizes")
-        }
-        yield from self._llm_metrics(engine, llm)
-        yield from _encoder_metrics({name: w.stats() for name, w in encoders.items()})
-        queue = HistogramMetricFamily(
-            "trae_engine_queue_seconds",
-            "Time from submit to the first batch that runs it (LLM admission, encoder batch)",
-            labels=["model"],
-        )  # fmt: skip
-        for model, worker in {**engine.llms, **encoders}.items():  # both keep the same window
-            hist = self._window(
-                ("queue", model), TOKEN_BUCKETS, worker.queue_waits, worker.num_started
-            )
-            queue.add_metric([model], hist.buckets(), hist.total)
-        yield queue
-
-    def _llm_metrics(self, engine: Any, stats: Mapping[str, dict]) -> Iterable[Metric]:
-        specs = [
-            ("trae_llm_running_requests", "Sequences being decoded or prefilled", "running", False),
-            ("trae_llm_waiting_requests", "Sequences waiting for admission", "waiting", False),
-            ("trae_llm_generated_tokens", "Tokens generated", "generated_tokens", True),
-            ("trae_llm_prompt_tokens", "Prompt tokens prefilled", "prompt_tokens", True),
-            ("trae_llm_preemptions", "Sequences preempted for room", "preemptions", True),
-            ("trae_llm_steps", "Batches run", "steps", True),
-        ]
-        for name, doc, key, counter in specs:
-            family = (CounterMetricFamily if counter else GaugeMetricFamily)(
-                name, doc, labels=["model"]
-            )
-            for model, s in stats.items():
-                family.add_metric([model], float(s.get(key, 0)))
+    def _workers(self, models: Mapping[str, ModelStats]) -> Iterable[Metric]:
+        llms = {name: m for name, m in models.items() if m.kind == "llm"}
+        encoders = {name: m for name, m in models.items() if m.kind == "encoder"}
+        yield from _llm_metrics(llms)
+        yield from _encoder_metrics(encoders)
+        for name, doc, window, buckets, among in _WINDOWS:
+            family = HistogramMetricFamily(name, doc, labels=["model"])
+            for model, m in (llms if among == "llm" else models).items():
+                hist = self._window((window, model), buckets, m.windows.get(window, Window()))
+                family.add_metric([model], hist.buckets(), hist.total)
             yield family
-        batch = HistogramMetricFamily(
-            "trae_llm_batch_tokens", "Tokens per LLM step (prefill chunks plus decodes)",
-            labels=["model"],
-        )  # fmt: skip
-        for model, worker in engine.llms.items():
-            hist = self._window(
-                ("batch", model), BATCH_BUCKETS, worker.batch_tokens, worker.num_steps
-            )
-            batch.add_metric([model], hist.buckets(), hist.total)
-        yield batch
 
     def _window(
-        self, key: tuple[str, str], buckets: tuple[float, ...], recent: Iterable[float], count: int
+        self, key: tuple[str, str], buckets: tuple[float, ...], window: Window
     ) -> _CumulativeHistogram:
-        """A histogram kept across scrapes from a worker's recent-values window and its
+        """A histogram kept across scrapes from a model's recent-values window and its
         running count: the values new since the last scrape are the window's tail."""
         hist = self._windows.setdefault(key, _CumulativeHistogram(buckets))
-        values = list(recent)
-        new = min(len(values), count - self._seen.get(key, 0))
+        new = min(len(window.recent), window.count - self._seen.get(key, 0))
         if new > 0:
-            hist.add(values[-new:])
-        self._seen[key] = count
+            hist.add(window.recent[-new:])
+        self._seen[key] = window.count
         return hist
 
 
-def _encoder_metrics(stats: Mapping[str, dict]) -> Iterable[Metric]:
+#: Histograms built at scrape time from the engine's windows: (name, meaning, window,
+#: buckets, which models). Time to first token has one definition: from the engine
+#: receiving the request to the step that sampled its first token.
+_WINDOWS = (
+    ("trae_engine_queue_seconds",
+     "Time from submit to the first batch that runs it (LLM admission, encoder batch)",
+     "queue_seconds", TOKEN_BUCKETS, "all"),
+    ("trae_time_to_first_token_seconds",
+     "Time to first token: the engine receiving the request to its first token",
+     "ttft_seconds", TOKEN_BUCKETS, "llm"),
+    ("trae_inter_token_latency_seconds", "Time between two tokens of one sequence",
+     "itl_seconds", TOKEN_BUCKETS, "llm"),
+    ("trae_llm_batch_tokens", "Tokens per LLM step (prefill chunks plus decodes)",
+     "batch_tokens", BATCH_BUCKETS, "llm"),
+)  # fmt: skip
+
+
+def _llm_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
+    gauges = [
+        ("trae_llm_running_requests", "Sequences being decoded or prefilled", "running"),
+        ("trae_llm_waiting_requests", "Sequences waiting for admission", "waiting"),
+    ]
+    for name, doc, attr in gauges:
+        family = GaugeMetricFamily(name, doc, labels=["model"])
+        for model, m in stats.items():
+            family.add_metric([model], float(getattr(m, attr)))
+        yield family
+    counters = [
+        ("trae_llm_generated_tokens", "Tokens generated", "generated_tokens"),
+        ("trae_llm_prompt_tokens", "Prompt tokens prefilled", "prompt_tokens"),
+        ("trae_llm_preemptions", "Sequences preempted for room", "preemptions"),
+        ("trae_llm_steps", "Batches run", "steps"),
+    ]
+    for name, doc, key in counters:
+        family = CounterMetricFamily(name, doc, labels=["model"])
+        for model, m in stats.items():
+            family.add_metric([model], m.counters.get(key, 0.0))
+        yield family
+
+
+def _encoder_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
     queue = GaugeMetricFamily("trae_encoder_queue_items", "Items waiting", labels=["model"])
     batches = CounterMetricFamily("trae_encoder_batches", "Batches run", labels=["model"])
     items = CounterMetricFamily("trae_encoder_items", "Items encoded", labels=["model"])
@@ -415,24 +369,14 @@ def _encoder_metrics(stats: Mapping[str, dict]) -> Iterable[Metric]:
     sizes = HistogramMetricFamily(
         "trae_encoder_batch_size", "Items per encoder batch", labels=["model"]
     )
-    for model, s in stats.items():
-        queue.add_metric([model], float(s.get("queue", 0)))
-        batches.add_metric([model], float(s.get("batches", 0)))
-        items.add_metric([model], float(s.get("items", 0)))
-        padding.add_metric([model], float(s.get("padding_ratio", 0.0)))
-        buckets, summed = _histogram_from_sizes(s.get("batch_sizes", {}))
+    for model, m in stats.items():
+        queue.add_metric([model], float(m.waiting))
+        batches.add_metric([model], m.counters.get("batches", 0.0))
+        items.add_metric([model], m.counters.get("items", 0.0))
+        padding.add_metric([model], m.counters.get("padding_ratio", 0.0))
+        buckets, summed = _histogram_from_sizes(m.batch_sizes)
         sizes.add_metric([model], buckets, summed)
     yield from (queue, batches, items, padding, sizes)
-
-
-def _pool_stats(pool: Any) -> Any:
-    """The pool's stats, read from another thread: retry if the engine moved a page."""
-    for _ in range(5):
-        try:
-            return pool.stats()
-        except RuntimeError:  # a dict changed size while we iterated it
-            continue
-    return pool.stats()
 
 
 def _model_of(owner: str) -> str:

@@ -19,31 +19,29 @@ the field, never silently ignored; unknown fields are ignored, as OpenAI does.
 
 from __future__ import annotations
 
-import math
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import anyio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from trae_groups.app_state import CLIENT_GONE, AppState, ServedGraph
+from trae_groups.engine.protocol import (
+    GenerateRequest,
+    GenerationChunk,
+    ModelClient,
+    new_request_id,
+)
 from trae_groups.engine.sampling import SamplingParams
-from trae_groups.engine.worker import Priority
-from trae_groups.graphs.executor import Event
+from trae_groups.graphs.errors import GraphError, first_error
 from trae_groups.graphs.spec import GenerateNode, GraphSpec
+from trae_groups.graphs.types import sampling_field
 from trae_groups.http_errors import HTTPError, bad_request, error_body, not_found, status_of
 from trae_groups.http_io import Emit, EventStream, read_json, sse, until_disconnect
-
-MAX_SEED = 2**63 - 1
-MAX_TOP_K = 2**31 - 1
-UNLIMITED = 2**31 - 1  # max_tokens when none is asked: the model's length stops it
-
 
 # ---------------------------------------------------------------- request bodies
 
@@ -72,15 +70,18 @@ class StreamOptions(_Body):
 
 
 class _Sampling(_Body):
+    """The sampling fields: ranges, defaults and meanings are the engine's
+    (engine/sampling.py). ``max_tokens`` null means that default."""
+
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0, le=MAX_TOP_K, description="extension: 0 = off")
-    min_p: float = Field(0.0, ge=0, lt=1, description="extension")
-    repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension")
+    max_tokens: int | None = sampling_field("max_tokens", None)
+    temperature: float = sampling_field("temperature")
+    top_p: float = sampling_field("top_p")
+    top_k: int = sampling_field("top_k")
+    min_p: float = sampling_field("min_p")
+    repetition_penalty: float = sampling_field("repetition_penalty")
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = sampling_field("seed")
     n: int = Field(1, ge=1, le=1, description="only 1 is supported")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -94,13 +95,12 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = sampling_field("max_tokens", None)
     logprobs: Literal[False] | None = Field(None, description="not supported")
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int]
-    max_tokens: int | None = Field(16, ge=1)
     echo: Literal[False] = Field(False, description="not supported")
     logprobs: None = Field(None, description="not supported")
     suffix: None = Field(None, description="not supported")
@@ -112,9 +112,8 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
-        message = f"{where}: {first['msg']}" if where else first["msg"]
+        where, message = first_error(exc)
+        message = f"{where}: {message}" if where else message
         raise HTTPError(422, message, field=where, type="InvalidRequest") from None
 
 
@@ -166,8 +165,8 @@ def targets(graphs: Mapping[str, ServedGraph]) -> dict[str, Target]:
                 continue
             target = Target(f"{served.name}/{model}", served, model)
             found[target.id] = target
-            worker = served.executor.clients[model].worker.name
-            bare.setdefault(model, []).append((worker, target))
+            engine_name = served.executor.clients[model].name
+            bare.setdefault(model, []).append((engine_name, target))
     for model, entries in bare.items():
         if model not in found and len({worker for worker, _ in entries}) == 1:
             found[model] = Target(model, entries[0][1].served, model)
@@ -209,7 +208,6 @@ async def chat_completions(request: Request) -> Response:
     target = resolve(state, body.model)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     if target.model is None:
-        target.served.executor.validate_inputs({target.messages_input: messages})
         start = _GraphCall.factory(target, messages)
     else:
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -243,9 +241,10 @@ def _version(model: Any, user: str | None) -> Any:
 
 def _params(body: _Sampling, max_tokens: int | None) -> SamplingParams:
     """Checked now, before admission (RequestError is a 422). No max_tokens: the
-    model's length is the limit."""
+    engine's default."""
+    default = SamplingParams.__dataclass_fields__["max_tokens"].default
     return SamplingParams(
-        max_tokens=max_tokens or UNLIMITED,
+        max_tokens=max_tokens or default,
         temperature=body.temperature,
         top_k=body.top_k,
         top_p=body.top_p,
@@ -273,15 +272,13 @@ OnPiece = Callable[[_Piece], Awaitable[None]]
 
 
 class _LLMCall:
-    """A prompt on one LLM of the engine, its outputs turned into pieces."""
+    """A prompt (or chat messages) on one LLM, its chunks turned into pieces."""
 
-    def __init__(self, state: AppState, target: Target, client: Any, prompt, params):
-        self.state, self.target = state, target
-        self.request_id = f"cmpl-{uuid.uuid4().hex[:16]}"
-        self.model = client.worker.name
-        self.stream = client.generate(
-            prompt, params, request_id=self.request_id, priority=Priority()
-        )  # RequestError (a 422) is raised here, before any work
+    def __init__(self, state: AppState, target: Target, client: ModelClient, request):
+        self.state, self.target, self.client = state, target, client
+        self.request_id = request.request_id
+        self.stream = client.generate(request)  # a RequestError here is a 422
+        self._first: GenerationChunk | None = None
 
     @classmethod
     def factory(
@@ -291,38 +288,39 @@ class _LLMCall:
 
         def start(state: AppState, executor: Any) -> _LLMCall:
             client = _version(executor.models[target.model], user)
-            text = client.chat_prompt(messages) if messages is not None else prompt
-            return cls(state, target, client, text, params)
+            request = GenerateRequest(
+                new_request_id("cmpl"),
+                params,
+                prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
+                messages=tuple(messages) if messages is not None else None,
+            )
+            return cls(state, target, client, request)
 
         return start
 
+    async def open(self) -> None:
+        """Wait for the first chunk, so an error before any output keeps its status."""
+        self._first = await anext(self.stream, None)
+
     def close(self) -> None:
-        self.stream.abort()  # no-op once finished
+        self.client.abort(self.request_id)  # a no-op once the generation finished
 
     async def run(self, on_piece: OnPiece) -> None:
-        last_time = None
-        metrics = self.state.metrics
-        async for out in self.stream:
-            if out.error:
-                raise HTTPError(500, f"generation failed: {out.error}", type="GenerationFailed")
-            now = time.monotonic()
-            if out.delta_token_ids:
-                first = out.metrics.get("first_token_time")
-                if last_time is None and first is not None:
-                    metrics.ttft.labels(self.model).observe(first - out.metrics["arrival"])
-                elif last_time is not None:
-                    metrics.itl.labels(self.model).observe(now - last_time)
-                last_time = now
-            if out.finished and out.finish_reason == "abort":
+        chunk = self._first
+        while chunk is not None:
+            if chunk.error:
+                raise HTTPError(500, f"generation failed: {chunk.error}", type="GenerationFailed")
+            if chunk.finished and chunk.finish_reason == "abort":
                 raise HTTPError(503, "generation was aborted", type="Aborted")
             await on_piece(
                 _Piece(
-                    out.delta_text,
-                    out.finish_reason if out.finished else None,
-                    len(out.prompt_token_ids),
-                    len(out.token_ids),
+                    chunk.text,
+                    chunk.finish_reason,
+                    chunk.prompt_tokens,
+                    chunk.completion_tokens,
                 )
             )
+            chunk = await anext(self.stream, None)
 
 
 class _GraphCall:
@@ -330,64 +328,55 @@ class _GraphCall:
 
     def __init__(self, state: AppState, target: Target, executor: Any, messages: list[dict]):
         self.state, self.target, self.executor = state, target, executor
-        self.inputs = {target.messages_input: messages}
-        self.request_id = f"chatcmpl-{uuid.uuid4().hex[:16]}"
+        self.prepared = executor.prepare(
+            {target.messages_input: messages},
+            outputs=[target.output],
+            request_id=new_request_id("chatcmpl"),
+        )  # an InputError here is a 422
+        self.request_id = self.prepared.request_id
 
     @classmethod
     def factory(cls, target: Target, messages: list[dict]):
         return lambda state, executor: cls(state, target, executor, messages)
 
+    async def open(self) -> None:
+        pass  # graph errors come as the run's own events
+
     def close(self) -> None:
         pass  # the run lives inside run(): leaving it cancels the graph run
 
     async def run(self, on_piece: OnPiece) -> None:
-        served, node, executor = self.target.served, self.target.node, self.executor
-        clock = self.state.metrics.token_clock(served.nodes)
-        send, receive = anyio.create_memory_object_stream[Event](math.inf)
-        outcome: dict[str, Any] = {}
+        served, node = self.target.served, self.target.node
         start = time.perf_counter()
-
-        def sink(event: Event) -> None:
-            clock(event)
-            if event.type == "token" and event.data.get("node") == node:
-                send.send_nowait(event)
-
-        async def run_graph() -> None:
-            with send:
-                try:
-                    outcome["result"] = await executor.run(
-                        self.inputs,
-                        outputs=[self.target.output],
-                        on_event=sink,
-                        request_id=self.request_id,
-                        timeout=served.spec.timeout,
-                    )
-                except Exception as exc:
-                    outcome["error"] = exc
-
-        streamed = []
+        streamed: list[str] = []
         try:
-            async with anyio.create_task_group() as group, receive:
-                group.start_soon(run_graph)
-                async for event in receive:
+            async for event in self.executor.stream(self.prepared):
+                if event.type == "token" and event.data.get("node") == node:
                     streamed.append(event.data.get("text", ""))
                     await on_piece(_Piece(streamed[-1]))
+                elif event.type == "error":
+                    self.state.record(served, start, None, event.error)
+                    raise event.error
+                elif event.type == "result":
+                    result = event.result
+        except GraphError:
+            raise  # recorded above
+        except Exception as exc:
+            self.state.record(served, start, None, exc)
+            raise
         except BaseException:
             self.state.record(served, start, None)  # the client left
             raise
-        if "error" in outcome:
-            self.state.record(served, start, None, outcome["error"])
-            raise outcome["error"]
-        self.state.record(served, start, outcome["result"])
-        text, sent = outcome["result"].outputs.get(self.target.output) or "", "".join(streamed)
+        self.state.record(served, start, result)
+        text, sent = result.outputs.get(self.target.output) or "", "".join(streamed)
         rest = text[len(sent) :] if text.startswith(sent) else ""
-        usage = outcome["result"].nodes[node].usage
+        usage = result.nodes[node].usage
         await on_piece(
             _Piece(
                 rest,
                 "length" if usage.get("finish_reason") == "length" else "stop",
                 usage.get("prompt_tokens", 0),
-                usage.get("tokens", clock.tokens.get(node, 0)),
+                usage.get("tokens", 0),
             )
         )
 
@@ -401,6 +390,7 @@ async def _respond(request: Request, state: AppState, target, body, start, *, ch
     ticket = state.admit(target.served)
     try:
         call = start(state, ticket.executor)
+        await call.open()
     except Exception as exc:
         ticket.release()
         _count(state, endpoint, target, status_of(exc))

@@ -1,0 +1,113 @@
+"""The engine's own ``ModelClient``s: one model on this process's engine.
+
+A client holds the worker it submits to; nothing is looked up by name per request,
+and an abort goes straight to that worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from trae_groups.engine.encoder_worker import EncoderWorker
+from trae_groups.engine.engine import OutputStream
+from trae_groups.engine.errors import EngineStopped, RequestError
+from trae_groups.engine.llm_worker import LLMWorker
+from trae_groups.engine.protocol import (
+    EncodeRequest,
+    GenerateRequest,
+    GenerationChunk,
+    ModelStats,
+)
+from trae_groups.engine.sequence import RequestOutput
+
+
+class LocalEncoder:
+    """One head of an encoder worker (classify, tag, embed or rerank)."""
+
+    def __init__(self, worker: EncoderWorker, head: str, task: str):
+        self.worker = worker
+        self.head = head
+        self.task = task
+        self.name = worker.name
+
+    async def encode(self, request: EncodeRequest) -> dict[str, Any]:
+        future = self.worker.submit(
+            request.text,
+            head=self.head,
+            request_id=request.request_id,
+            priority=request.priority,
+            options=request.options,
+        )
+        return await asyncio.wrap_future(future)
+
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
+        raise RequestError("model", f"{self.name!r} is a {self.task} model: it cannot generate")
+
+    def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+
+    def stats(self) -> ModelStats:
+        return self.worker.model_stats()
+
+
+class LocalLLM:
+    """A causal LM on this process's engine."""
+
+    task = "generate"
+
+    def __init__(self, worker: LLMWorker, running: Callable[[], bool]):
+        self.worker = worker
+        self.name = worker.name
+        self._running = running  # the engine loop is stepping
+
+    async def encode(self, request: EncodeRequest) -> dict[str, Any]:
+        raise RequestError("model", f"{self.name!r} is a generate model: it cannot encode")
+
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
+        """Validates and queues now (RequestError before any work), streams later."""
+        if not self._running():
+            raise EngineStopped("the engine is not running")
+        prompt = request.prompt
+        if request.messages is not None:
+            prompt = self.worker.chat_prompt(list(request.messages))
+        stream = OutputStream(self.worker.abort, asyncio.get_running_loop())
+        stream.request_id = request.request_id
+        self.worker.submit(
+            prompt if isinstance(prompt, str) else list(prompt),
+            request.params,
+            request_id=request.request_id,
+            sink=stream.put,
+            priority=request.priority,
+        )
+        return chunks(stream)
+
+    def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+
+    def stats(self) -> ModelStats:
+        return self.worker.model_stats()
+
+
+async def chunks(stream: OutputStream) -> AsyncGenerator[GenerationChunk, None]:
+    """The engine's per-step outputs as chunks of what is new; leaving early aborts."""
+    try:
+        async for out in stream:
+            yield as_chunk(out)
+    finally:
+        stream.abort()
+
+
+def as_chunk(out: RequestOutput) -> GenerationChunk:
+    return GenerationChunk(
+        out.request_id,
+        out.delta_text,
+        tuple(out.delta_token_ids),
+        out.finished,
+        out.finish_reason if out.finished else None,
+        len(out.prompt_token_ids),
+        len(out.token_ids),
+        out.num_cached_tokens,
+        out.error,
+    )

@@ -1,0 +1,406 @@
+"""Node kinds: the one place that says, for each kind, what a node declares, what its
+result holds, which model task runs it, and how one node of one request runs.
+
+Everything else derives from ``KINDS``: the spec's node union and model tasks, the
+loader's messages, reference checks, the result schemas of ``GET /v1/graphs/{name}``
+and the OpenAPI document, the DSL, and the executor. A node spec converts itself to
+the typed engine request it means (``EmbedNode.options()``, ``GenerateNode.sampling()``),
+which the kind's ``run`` passes down whole.
+
+Adding a kind: its spec class and its ``run`` here, one ``NodeKind`` entry, and (for a
+new model task) its head in the engine.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+import anyio
+from pydantic import Discriminator, Field, JsonValue, Tag, model_validator
+
+from trae_groups.engine.protocol import (
+    EncodeOptions,
+    EncodeRequest,
+    GenerateRequest,
+    ModelClient,
+    Pooling,
+)
+from trae_groups.engine.sampling import SamplingParams
+from trae_groups.engine.worker import Priority
+from trae_groups.graphs.errors import TemplateRenderError
+from trae_groups.graphs.types import (
+    ArgName,
+    FunctionRef,
+    NameList,
+    Seconds,
+    Spec,
+    sampling_field,
+)
+
+# ---------------------------------------------------------------- what every node shares
+
+
+class NodeBase(Spec):
+    """What every node kind shares: condition, ordering, timeout, error policy."""
+
+    #: Fields whose strings are templates (rendered per request, in this order).
+    TEMPLATES: ClassVar[tuple[str, ...]] = ()
+
+    when: str | None = None
+    after: NameList = []
+    optional: NameList = []
+    timeout: Seconds | None = None
+    on_error: Literal["fail", "skip", "default"] = "fail"
+    default: JsonValue = None
+    description: str | None = None
+
+    @model_validator(mode="after")
+    def _default_needs_policy(self) -> NodeBase:
+        if self.default is not None and self.on_error != "default":
+            raise ValueError("'default' is only used with 'on_error: default'")
+        return self
+
+    def check_rendered(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """The rendered templates, checked for the shapes this kind needs."""
+        return payload
+
+
+@dataclass(frozen=True)
+class NodeCall:
+    """One node of one request, ready to run: its spec, its rendered templates, and
+    what it runs on (a model client, or a python function)."""
+
+    name: str
+    node: Any  # the kind's spec class
+    payload: dict[str, Any]
+    request_id: str
+    priority: Priority
+    client: ModelClient | None = None
+    function: Callable[..., Any] | None = None
+    emit: Callable[[str, dict], None] = lambda type, data: None
+
+    def encode(self, text: str | tuple[str, str], options: EncodeOptions = EncodeOptions()):
+        request = EncodeRequest(text, self.request_id, options, self.priority)
+        return self.client.encode(request)
+
+
+@dataclass(frozen=True)
+class NodeKind:
+    """Everything about one kind of node (see the module docstring)."""
+
+    name: str
+    spec: type[NodeBase]
+    task: str | None  # the model task that runs it; None: no model (python)
+    result: Mapping[str, dict] | None  # result field -> JSON schema; None: any value
+    run: Callable[[NodeCall], Awaitable[Any]]
+    doc: str = ""
+
+
+def _text(value: Any, field: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{field} must render to a string, got {type(value).__name__}")
+    return value
+
+
+# ---------------------------------------------------------------- encoder kinds
+
+
+class ClassifyNode(NodeBase):
+    """Sequence classification: result {label, score, scores, truncated}."""
+
+    TEMPLATES: ClassVar = ("input",)
+    kind: Literal["classify"]
+    model: str
+    input: str
+
+
+class TagNode(NodeBase):
+    """Token classification: result {spans: [{entity, text, start, end, score}], truncated}."""
+
+    TEMPLATES: ClassVar = ("input",)
+    kind: Literal["tag"]
+    model: str
+    input: str
+
+
+class EmbedNode(NodeBase):
+    """Embedding: result {embedding: [float], dim, truncated}."""
+
+    TEMPLATES: ClassVar = ("input",)
+    kind: Literal["embed"]
+    model: str
+    input: str
+    pooling: Pooling = EncodeOptions().pooling
+    normalize: bool = EncodeOptions().normalize
+
+    def options(self) -> EncodeOptions:
+        return EncodeOptions(pooling=self.pooling, normalize=self.normalize)
+
+
+class RerankNode(NodeBase):
+    """Cross-encoder reranking: result {scores, order, top}.
+
+    ``query`` is a template giving a string; ``documents`` a template giving a list of
+    strings. Every (query, document) pair is one item of the model's batches.
+    """
+
+    TEMPLATES: ClassVar = ("query", "documents")
+    kind: Literal["rerank"]
+    model: str
+    query: str
+    documents: str
+
+    def check_rendered(self, payload: dict[str, Any]) -> dict[str, Any]:
+        docs = payload["documents"]
+        if not isinstance(docs, list) or not all(isinstance(d, str) for d in docs):
+            raise TemplateRenderError("documents must render to a list of strings")
+        return payload
+
+
+async def _encode(call: NodeCall) -> dict:
+    return await call.encode(_text(call.payload["input"], "input"))
+
+
+async def _embed(call: NodeCall) -> dict:
+    result = await call.encode(_text(call.payload["input"], "input"), call.node.options())
+    vector = result.pop("vector")
+    return {"embedding": vector, **result}
+
+
+async def _rerank(call: NodeCall) -> dict:
+    query = _text(call.payload["query"], "query")
+    documents = call.payload["documents"]
+    scores: list[float] = [0.0] * len(documents)
+
+    async def score(i: int) -> None:
+        scores[i] = (await call.encode((query, documents[i])))["score"]
+
+    async with anyio.create_task_group() as group:
+        for i in range(len(documents)):
+            group.start_soon(score, i)
+    order = sorted(range(len(documents)), key=lambda i: -scores[i])
+    return {"scores": scores, "order": order, "top": documents[order[0]] if order else None}
+
+
+# ---------------------------------------------------------------- generate
+
+
+class MessageTemplate(Spec):
+    """One chat message of a generate node; `content` is a template."""
+
+    role: str = Field(min_length=1)
+    content: str
+
+
+class GenerateParams(Spec):
+    """Sampling parameters: ranges, defaults and meanings are the engine's
+    (engine/sampling.py), so a value the engine would refuse is refused at load."""
+
+    max_tokens: int = sampling_field("max_tokens")
+    temperature: float = sampling_field("temperature")
+    top_k: int = sampling_field("top_k")
+    top_p: float = sampling_field("top_p")
+    min_p: float = sampling_field("min_p")
+    repetition_penalty: float = sampling_field("repetition_penalty")
+    stop: NameList = sampling_field("stop")
+    seed: int | None = sampling_field("seed")
+
+    @model_validator(mode="after")
+    def _stops(self) -> GenerateParams:
+        if any(not s for s in self.stop):
+            raise ValueError("stop: strings must not be empty")
+        return self
+
+
+def _messages_tag(value: Any) -> str:
+    return "message-template" if isinstance(value, str) else "message-list"
+
+
+#: A list of message templates, or one template that yields a whole message list.
+Messages = Annotated[
+    Annotated[list[MessageTemplate], Tag("message-list")] | Annotated[str, Tag("message-template")],
+    Discriminator(_messages_tag),
+]
+
+
+class GenerateNode(NodeBase):
+    """Causal LM: result {text, tokens, finish_reason}.
+
+    `prompt` is a template; or `messages` is a list of {role, content template}, or
+    one template that yields a message list (e.g. "{{ inputs.history }}"). Messages
+    go through the model tokenizer's chat template.
+    """
+
+    TEMPLATES: ClassVar = ("prompt", "messages")
+    kind: Literal["generate"]
+    model: str
+    prompt: str | None = None
+    messages: Messages | None = None
+    params: GenerateParams = GenerateParams()
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GenerateNode:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("a generate node needs exactly one of 'prompt' or 'messages'")
+        return self
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(**{**self.params.model_dump(), "stop": tuple(self.params.stop)})
+
+    def check_rendered(self, payload: dict[str, Any]) -> dict[str, Any]:
+        messages = payload.get("messages")
+        if messages is None:
+            return payload
+        if isinstance(self.messages, list):  # per-message templates: each renders to text
+            messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+        ok = isinstance(messages, list) and all(
+            isinstance(m, Mapping)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+        if not ok:
+            raise TemplateRenderError(
+                "messages must be a list of {role, content} with string values"
+            )
+        return {**payload, "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+
+
+async def _generate(call: NodeCall) -> dict:
+    node: GenerateNode = call.node
+    if node.prompt is not None:
+        prompt = call.payload["prompt"]
+        request = GenerateRequest(
+            call.request_id, node.sampling(), prompt=str(prompt), priority=call.priority
+        )
+    else:
+        messages = tuple(call.payload["messages"])
+        request = GenerateRequest(
+            call.request_id, node.sampling(), messages=messages, priority=call.priority
+        )
+    pieces: list[str] = []
+    last = None
+    async with aclosing(call.client.generate(request)) as chunks:  # leaving aborts the work
+        async for chunk in chunks:
+            if chunk.text or chunk.token_ids:
+                call.emit("token", {"node": call.name, "text": chunk.text})
+            pieces.append(chunk.text)
+            last = chunk
+    if last is None or last.error:
+        raise RuntimeError(last.error if last else "no output")
+    if last.finish_reason == "abort":
+        raise RuntimeError("generation was aborted")
+    return {
+        "text": "".join(pieces),
+        "tokens": last.completion_tokens,
+        "finish_reason": last.finish_reason,
+        "prompt_tokens": last.prompt_tokens,
+    }
+
+
+# ---------------------------------------------------------------- python
+
+
+class PythonNode(NodeBase):
+    """A user function 'module:function' (sync or async) called with rendered `args`.
+
+    Every string inside `args` is a template; other values pass as they are.
+    """
+
+    TEMPLATES: ClassVar = ("args",)
+    kind: Literal["python"]
+    function: FunctionRef
+    args: dict[ArgName, JsonValue] = {}
+
+
+async def _python(call: NodeCall) -> Any:
+    args = call.payload["args"]
+    function = call.function
+    if inspect.iscoroutinefunction(function):
+        return await function(**args)
+    # a sync function cannot be interrupted: on timeout or cancel the request moves on
+    # and the thread finishes on its own
+    return await anyio.to_thread.run_sync(lambda: function(**args), abandon_on_cancel=True)
+
+
+# ---------------------------------------------------------------- the registry
+
+_ENCODED = {"truncated": {"type": "boolean"}}
+
+KINDS: dict[str, NodeKind] = {
+    kind.name: kind
+    for kind in (
+        NodeKind(
+            "classify", ClassifyNode, "classify",
+            {"label": {"type": "string"}, "score": {"type": "number"},
+             "scores": {"type": "object", "additionalProperties": {"type": "number"}}, **_ENCODED},
+            _encode, "sequence classification",
+        ),
+        NodeKind(
+            "tag", TagNode, "tag",
+            {"spans": {"type": "array", "items": {"type": "object"}}, **_ENCODED},
+            _encode, "token classification (entity spans)",
+        ),
+        NodeKind(
+            "embed", EmbedNode, "embed",
+            {"embedding": {"type": "array", "items": {"type": "number"}},
+             "dim": {"type": "integer"}, **_ENCODED},
+            _embed, "a text's embedding",
+        ),
+        NodeKind(
+            "rerank", RerankNode, "rerank",
+            {"scores": {"type": "array", "items": {"type": "number"}},
+             "order": {"type": "array", "items": {"type": "integer"}},
+             "top": {"type": ["string", "null"]}},
+            _rerank, "documents scored against a query by a cross-encoder",
+        ),
+        NodeKind(
+            "generate", GenerateNode, "generate",
+            {"text": {"type": "string"}, "tokens": {"type": "integer"},
+             "finish_reason": {"type": "string"}},
+            _generate, "a causal LM's reply",
+        ),
+        NodeKind("python", PythonNode, None, None, _python, "a user function"),
+    )
+}  # fmt: skip
+
+NODE_KINDS: tuple[str, ...] = tuple(KINDS)
+TASKS: tuple[str, ...] = tuple(dict.fromkeys(k.task for k in KINDS.values() if k.task))
+#: Which model tasks can run each model-backed node kind.
+KIND_TASKS: dict[str, frozenset[str]] = {
+    k.name: frozenset({k.task}) for k in KINDS.values() if k.task
+}
+#: The fields of each kind's result; None: whatever a python function returns.
+RESULT_FIELDS: dict[str, frozenset[str] | None] = {
+    k.name: None if k.result is None else frozenset(k.result) for k in KINDS.values()
+}
+#: Every field that is a template in some kind (to check nodes that failed their shape).
+TEMPLATE_FIELDS: tuple[str, ...] = tuple(
+    dict.fromkeys(f for k in KINDS.values() for f in k.spec.TEMPLATES)
+)
+
+
+def _node_tag(value: Any) -> str | None:
+    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+    return kind if isinstance(kind, str) and kind in KINDS else None
+
+
+def _node_union() -> Any:
+    members = tuple(Annotated[k.spec, Tag(k.name)] for k in KINDS.values())
+    return Annotated[
+        Union[members],  # noqa: UP007 (a union built from the registry)
+        Discriminator(
+            _node_tag,
+            custom_error_type="node_kind",
+            custom_error_message="cannot tell the node's kind",
+        ),
+    ]
+
+
+#: Any node, told apart by its ``kind``.
+NodeSpec = _node_union()
+ModelNode = ClassifyNode | TagNode | EmbedNode | RerankNode | GenerateNode
