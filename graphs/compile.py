@@ -95,6 +95,7 @@ def check_graph(
         _check_optional(walk, dag, name, node)
     _check_cycles(walk, dag)
     _check_outputs(walk)
+    _check_deploy(walk)
     return walk.problems, dag
 
 
@@ -214,6 +215,20 @@ def _check_outputs(walk: _Walk) -> None:
             walk.add(("outputs", key), f"output '{key}': {message}")
 
 
+def _check_deploy(walk: _Walk) -> None:
+    """Each model a deploy group lists exists, and is in one group only."""
+    seen: dict[str, str] = {}
+    for group, spec in walk.spec.deploy.groups.items():
+        for i, model in enumerate(spec.models):
+            path = ("deploy", "groups", group, "models", i)
+            if model not in walk.spec.models and model not in walk.excused.models:
+                walk.add(path, f"group '{group}': unknown model '{model}'"
+                         f"{_suggest(model, walk.spec.models)}")  # fmt: skip
+            elif model in seen:
+                walk.add(path, f"model '{model}' is in groups '{seen[model]}' and '{group}'")
+            seen.setdefault(model, group)
+
+
 def _suggest(name: str, known: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.7)
     return f" (did you mean '{close[0]}'?)" if close else ""
@@ -242,9 +257,7 @@ class CompiledGraph:
     order: tuple[str, ...]
     templates: Mapping[str, NodeTemplates]
     _parents: Mapping[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
-    _needed: dict[frozenset[str] | None, tuple[str, ...]] = field(
-        default_factory=dict, repr=False
-    )
+    _needed: dict[frozenset[str] | None, tuple[str, ...]] = field(default_factory=dict, repr=False)
 
     @property
     def roots(self) -> tuple[str, ...]:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from trae_groups.graphs.compile import Excused, check_graph, issues_from
+from trae_groups.graphs.deploy import Autoscaling, DeploySpec, GroupSpec, IngressSpec
 from trae_groups.graphs.errors import GraphValidationError, Location, SourceMap, ValidationIssue
 from trae_groups.graphs.spec import (
     KINDS,
@@ -44,7 +45,7 @@ _LABELS = {"[key]", "message-list", "message-template", *NODE_KINDS}
 _LABELS |= {"str", "int", "float", "bool", "list", "dict", "list[str]"}
 _SPEC_CLASSES: tuple[type[BaseModel], ...] = (
     GraphSpec, ModelSpec, InputSpec, GenerateParams, MessageTemplate, SharingPolicy,
-    *(kind.spec for kind in KINDS.values()),
+    DeploySpec, GroupSpec, IngressSpec, Autoscaling, *(kind.spec for kind in KINDS.values()),
 )  # fmt: skip
 _FIELDS = sorted({name for cls in _SPEC_CLASSES for name in cls.model_fields} | {"kind"})
 

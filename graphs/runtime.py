@@ -13,6 +13,7 @@ import dataclasses
 import gc
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -85,37 +86,47 @@ class ModelRuntime:
         """An executor for the graph, its models loaded (once) onto this runtime."""
         graph = spec if isinstance(spec, CompiledGraph) else compile_graph(spec)
         functions = resolve_functions(graph.spec)
-        for name, model in graph.spec.models.items():
-            for version in model.sources:
-                path = str(graph.spec.model_path(name, version))
-                if "${" in path:
-                    raise ModelLoadError(
-                        path, f"model {name!r}: an environment variable in its source is not set"
-                    )
-        wanted = [
-            (name, version, model, graph.spec.model_path(name, version))
+        clients = self.load_models(graph.spec)
+        models = {
+            name: VersionedModel(
+                name, {v: clients[(name, v)] for v in model.sources}, model.weights, model.sticky
+            )
             for name, model in graph.spec.models.items()
-            for version in model.sources
-        ]
-        new = {self._key(m, p) for _, _, m, p in wanted} - set(self._by_key)
-        self._bar = tqdm(total=len(new), desc=f"loading {graph.spec.name}", unit="model",
-                         disable=None if new else True, leave=False)  # fmt: skip
-        try:
-            shared = self._load_encoders([w for w in wanted if w[2].task != "generate"])
-            models = {}
-            for name, model in graph.spec.models.items():
-                clients = {
-                    version: shared.get((name, version))
-                    or self._acquire(name, version, model, graph.spec.model_path(name, version))
-                    for version in model.sources
-                }
-                models[name] = VersionedModel(name, clients, model.weights, model.sticky)
-        finally:
-            self._bar.close()
-            self._bar = None
+        }
         executor = GraphExecutor(graph, models, functions)
         self.graphs[graph.spec.name] = executor
         return executor
+
+    def load_models(
+        self, spec: GraphSpec, names: Iterable[str] | None = None
+    ) -> dict[tuple[str, str], LocalEncoder | LocalLLM]:
+        """The clients of a graph's models (``names``, default all) and their versions,
+        keyed by (model, version); each model is loaded once onto this runtime (an
+        engine replica of a Ray group loads its group's share this way)."""
+        chosen = [n for n in spec.models if names is None or n in set(names)]
+        wanted = [
+            (name, version, spec.models[name], spec.model_path(name, version))
+            for name in chosen
+            for version in spec.models[name].sources
+        ]
+        for name, _, _, path in wanted:
+            if "${" in str(path):
+                raise ModelLoadError(
+                    str(path), f"model {name!r}: an environment variable in its source is not set"
+                )
+        new = {self._key(m, p) for _, _, m, p in wanted} - set(self._by_key)
+        self._bar = tqdm(total=len(new), desc=f"loading {spec.name}", unit="model",
+                         disable=None if new else True, leave=False)  # fmt: skip
+        try:
+            shared = self._load_encoders([w for w in wanted if w[2].task != "generate"])
+            return {
+                (name, version): shared.get((name, version))
+                or self._acquire(name, version, model, path)
+                for name, version, model, path in wanted
+            }
+        finally:
+            self._bar.close()
+            self._bar = None
 
     def release(self, executor: GraphExecutor) -> None:
         """A graph no longer served (replaced by a reload, or removed): drop its models'

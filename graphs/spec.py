@@ -25,6 +25,7 @@ from pydantic import (
 )
 from typing_extensions import TypedDict  # pydantic needs it before Python 3.12
 
+from trae_groups.graphs.deploy import DeploySpec
 from trae_groups.graphs.errors import SourceMap
 from trae_groups.graphs.nodes import (
     KIND_TASKS,
@@ -221,6 +222,7 @@ class GraphSpec(Spec):
     inputs: dict[InputName, InputSpec] = {}
     nodes: dict[NodeName, NodeSpec] = {}
     outputs: dict[Annotated[str, Field(min_length=1)], Reference] = {}
+    deploy: DeploySpec = DeploySpec()
 
     _source: SourceMap | None = PrivateAttr(None)
 
