@@ -68,6 +68,7 @@ class GenerateRequest:
     prompt: str | tuple[int, ...] | None = None
     messages: tuple[dict[str, str], ...] | None = None
     priority: Priority = field(default_factory=Priority)
+    session: str | None = None  # requests of one session go to one replica (prefix cache)
 
     def __post_init__(self):
         if (self.prompt is None) == (self.messages is None):

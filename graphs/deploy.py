@@ -51,15 +51,12 @@ class Resources(Spec):
 
 
 class GroupSpec(Resources):
-    """One engine group: its models, and replicas (a fixed number, or autoscaling).
-    ``tensor_parallel`` > 1 makes each replica own that many GPUs through one
-    placement group (PACK)."""
+    """One engine group: its models, and replicas (a fixed number, or autoscaling)."""
 
     models: list[str] = []
     replicas: int | None = Field(None, ge=1)
     autoscaling: Autoscaling | None = None
     max_ongoing_requests: int = Field(256, ge=1)
-    tensor_parallel: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _one_way_to_scale(self) -> GroupSpec:

@@ -88,6 +88,7 @@ class Prepared:
     outputs: tuple[str, ...] | None
     request_id: str
     timeout: float | None
+    session: str | None = None  # keeps a user's requests on one engine replica
 
 
 class _Request:
@@ -136,6 +137,7 @@ class GraphExecutor:
         outputs: list[str] | None = None,
         timeout: float | None = None,
         request_id: str | None = None,
+        session: str | None = None,
     ) -> Prepared:
         """Check a request (InputError names the field) and mint its id."""
         spec = self.graph.spec
@@ -157,6 +159,7 @@ class GraphExecutor:
             None if outputs is None else tuple(outputs),
             request_id or new_request_id(spec.name),
             limit,
+            session,
         )
 
     # -- the request path ------------------------------------------------------------
@@ -263,6 +266,7 @@ class GraphExecutor:
             payload=self.graph.templates[name].render(request.context),
             request_id=request.request_id,
             priority=Priority(self.graph.depth[name], request.arrival),
+            session=request.prepared.session,
             client=request.clients[model] if model is not None else None,
             function=self.functions.get(name),
             emit=lambda type, data: request.emit(Event(type, data)),

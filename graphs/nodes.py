@@ -79,6 +79,7 @@ class NodeCall:
     payload: dict[str, Any]
     request_id: str
     priority: Priority
+    session: str | None = None
     client: ModelClient | None = None
     function: Callable[..., Any] | None = None
     emit: Callable[[str, dict], None] = lambda type, data: None
@@ -278,12 +279,20 @@ async def _generate(call: NodeCall) -> dict:
     if node.prompt is not None:
         prompt = call.payload["prompt"]
         request = GenerateRequest(
-            call.request_id, node.sampling(), prompt=str(prompt), priority=call.priority
+            call.request_id,
+            node.sampling(),
+            prompt=str(prompt),
+            priority=call.priority,
+            session=call.session,
         )
     else:
         messages = tuple(call.payload["messages"])
         request = GenerateRequest(
-            call.request_id, node.sampling(), messages=messages, priority=call.priority
+            call.request_id,
+            node.sampling(),
+            messages=messages,
+            priority=call.priority,
+            session=call.session,
         )
     pieces: list[str] = []
     last = None

@@ -279,6 +279,10 @@ class ModelRuntime:
         """The engine's typed stats (what metrics and the CLI read)."""
         return self.engine.engine_stats()
 
+    def replica_stats(self) -> dict[str, EngineStats]:
+        """Stats by engine replica: one process is one replica, "local"."""
+        return {"local": self.stats()}
+
 
 def _batcher(spec: ModelSpec) -> BatcherConfig:
     batch = spec.max_batch_size or 32

@@ -117,17 +117,17 @@ def test_counters_move_with_requests(http):
         assert moved("trae_node_runs_total", **labels, status="ok") == 3
         assert moved("trae_node_latency_seconds_count", **labels) == 3
         assert moved("trae_node_queue_seconds_count", **labels) == 3
-    assert moved("trae_time_to_first_token_seconds_count", model="dialog") == 3
-    assert moved("trae_inter_token_latency_seconds_count", model="dialog") == 3 * 4
-    assert moved("trae_llm_generated_tokens_total", model="dialog") == 15
-    assert moved("trae_llm_batch_tokens_count", model="dialog") >= 5
-    assert moved("trae_encoder_items_total", model="intent") == 3
-    assert moved("trae_encoder_batch_size_count", model="intent") >= 1
+    assert moved("trae_time_to_first_token_seconds_count", replica="local", model="dialog") == 3
+    assert moved("trae_inter_token_latency_seconds_count", replica="local", model="dialog") == 3 * 4
+    assert moved("trae_llm_generated_tokens_total", replica="local", model="dialog") == 15
+    assert moved("trae_llm_batch_tokens_count", replica="local", model="dialog") >= 5
+    assert moved("trae_encoder_items_total", replica="local", model="intent") == 3
+    assert moved("trae_encoder_batch_size_count", replica="local", model="intent") >= 1
     for model in ("dialog", "intent"):  # each request waited in the engine's queue once
-        assert moved("trae_engine_queue_seconds_count", model=model) == 3
-        waited = moved("trae_engine_queue_seconds_sum", model=model)
+        assert moved("trae_engine_queue_seconds_count", replica="local", model=model) == 3
+        waited = moved("trae_engine_queue_seconds_sum", replica="local", model=model)
         assert 0 <= waited <= moved("trae_graph_latency_seconds_sum", graph="support")
-    assert moved("trae_prefix_cache_hits_total") >= 1
+    assert moved("trae_prefix_cache_hits_total", replica="local") >= 1
     assert value(after, "trae_graph_inflight_requests", graph="support") == 0
 
 
@@ -172,15 +172,25 @@ def test_inference_latency_is_a_histogram_in_ms_with_the_agreed_buckets(http):
 def test_engine_pool_and_backend_are_reported(http, server):
     samples = scrape(http)
     info = [dict(labels) for name, labels in samples if name == "trae_engine_info"]
-    assert info == [{"attention_backend": "torch", "device": "cpu", "dtype": "float32"}]
-    capacity = value(samples, "trae_pool_capacity_pages")
+    expected = {"attention_backend": "torch", "device": "cpu", "dtype": "float32"}
+    assert info == [{**expected, "replica": "local"}]
+    capacity = value(samples, "trae_pool_capacity_pages", replica="local")
     assert capacity == server.state.runtime.engine.pool.num_pages
-    states = sum(value(samples, "trae_pool_pages", state=s) for s in ("used", "free", "cached"))
+    states = sum(
+        value(samples, "trae_pool_pages", replica="local", state=s)
+        for s in ("used", "free", "cached")
+    )
     assert states == capacity
     for model in ("dialog", "intent"):
-        assert ("trae_pool_model_usage_percent", (("model", model),)) in samples
-        assert ("trae_pool_model_pages", (("model", model), ("state", "used"))) in samples
-    assert 0 <= value(samples, "trae_prefix_cache_hit_rate") <= 1
+        assert (
+            "trae_pool_model_usage_percent",
+            (("model", model), ("replica", "local")),
+        ) in samples
+        assert (
+            "trae_pool_model_pages",
+            (("model", model), ("replica", "local"), ("state", "used")),
+        ) in samples
+    assert 0 <= value(samples, "trae_prefix_cache_hit_rate", replica="local") <= 1
     assert {
         "trae_llm_running_requests",
         "trae_llm_waiting_requests",
@@ -199,7 +209,7 @@ def test_engine_pool_and_backend_are_reported(http, server):
 
 def test_device_utilization_is_a_fraction(http, server):
     http.post("/v1/graphs/support", json={"inputs": {"text": TEXT}})
-    utilization = value(scrape(http), "device_utilization", device="cpu")
+    utilization = value(scrape(http), "device_utilization", device="cpu", replica="local")
     if hasattr(server.state.runtime.engine.loop, "busy_seconds"):
         assert 0 < utilization <= 1
     else:  # an engine without a busy-time counter reports "unknown"

@@ -171,7 +171,7 @@ class AppState:
         self.created = int(time.time())
         self.on_load_failed: Callable[[], None] | None = None  # serve() stops the process
         self.metrics.watch_engine(
-            lambda: self.runtime.stats() if self.runtime is not None else None,
+            lambda: self.runtime.replica_stats() if self.runtime is not None else {},
             lambda: {g.name: g.nodes for g in self.graphs.values()},
             lambda: self.ready and not self.draining,
         )

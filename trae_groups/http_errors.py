@@ -184,4 +184,6 @@ def error_response(exc: BaseException, *, openai: bool = False) -> JSONResponse:
     headers = dict(getattr(exc, "headers", None) or {})
     if status == 401:
         headers.setdefault("WWW-Authenticate", "Bearer")
+    if status == 503:  # not ready, draining, or an engine replica lost: try again soon
+        headers.setdefault("Retry-After", "1")
     return JSONResponse(error_body(exc, openai=openai), status_code=status, headers=headers)

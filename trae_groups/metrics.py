@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -137,7 +138,7 @@ class Metrics:
 
     def watch_engine(
         self,
-        stats: Callable[[], EngineStats | None],
+        stats: Callable[[], Mapping[str, EngineStats]],
         graphs: Callable[[], Mapping[str, Mapping[str, NodeInfo]]],
         ready: Callable[[], bool],
     ) -> EngineCollector:
@@ -199,17 +200,17 @@ class EngineCollector(Collector):
 
     def __init__(
         self,
-        stats: Callable[[], EngineStats | None],
+        stats: Callable[[], Mapping[str, EngineStats]],
         graphs: Callable[[], Mapping[str, Mapping[str, NodeInfo]]],
         ready: Callable[[], bool],
     ):
-        self._stats = stats
+        self._stats = stats  # replica -> its engine's stats ("local" in one process)
         self._graphs = graphs
         self._ready = ready
         self._lock = threading.Lock()
-        self._windows: dict[tuple[str, str], _CumulativeHistogram] = {}
-        self._seen: dict[tuple[str, str], int] = {}
-        self._busy_mark = (0.0, time.monotonic())  # (busy seconds, wall) at the last scrape
+        self._windows: dict[tuple[str, ...], _CumulativeHistogram] = {}
+        self._seen: dict[tuple[str, ...], int] = {}
+        self._busy_marks: dict[str, tuple[float, float]] = {}  # replica -> (busy, wall)
 
     def describe(self) -> list[Metric]:
         return []  # names are dynamic; never collect at registration
@@ -219,13 +220,23 @@ class EngineCollector(Collector):
         ready.add_metric([], 1.0 if self._ready() else 0.0)
         yield ready
         yield from self._node_info()
-        stats = self._stats()
-        if stats is None:
-            return
+        merged: dict[str, Metric] = {}
         with self._lock:
-            yield from self._engine(stats)
-            yield from self._pool(stats.pool, stats.models)
-            yield from self._workers(stats.models)
+            for replica, stats in sorted(self._stats().items()):
+                families = chain(
+                    self._engine(replica, stats),
+                    self._pool(stats.pool, stats.models),
+                    self._workers(replica, stats.models),
+                )
+                for family in families:  # every engine series carries its replica
+                    into = merged.setdefault(
+                        family.name,
+                        Metric(family.name, family.documentation, family.type, family.unit),
+                    )
+                    into.samples.extend(
+                        s._replace(labels={"replica": replica, **s.labels}) for s in family.samples
+                    )
+        yield from merged.values()
 
     def _node_info(self) -> Iterable[Metric]:
         info = GaugeMetricFamily(
@@ -236,7 +247,7 @@ class EngineCollector(Collector):
                 info.add_metric([graph, node, node_info.kind, node_info.model], 1.0)
         yield info
 
-    def _engine(self, stats: EngineStats) -> Iterable[Metric]:
+    def _engine(self, replica: str, stats: EngineStats) -> Iterable[Metric]:
         info = InfoMetricFamily("trae_engine", "The engine's attention backend and device")
         info.add_metric(
             [],
@@ -256,8 +267,8 @@ class EngineCollector(Collector):
             labels=["device"],
         )
         now = time.monotonic()
-        last_busy, last_wall = self._busy_mark
-        self._busy_mark = (stats.busy_seconds, now)
+        last_busy, last_wall = self._busy_marks.get(replica, (0.0, now))
+        self._busy_marks[replica] = (stats.busy_seconds, now)
         elapsed = now - last_wall
         share = (stats.busy_seconds - last_busy) / elapsed if elapsed > 0 else 0.0
         gauge.add_metric([stats.device], min(1.0, max(0.0, share)))
@@ -294,7 +305,7 @@ class EngineCollector(Collector):
         yield _counter("trae_prefix_cache_hits", "Prefix-cache hits", stats.prefix_hits)
         yield _counter("trae_pool_evictions", "Cached pages evicted for room", stats.evictions)
 
-    def _workers(self, models: Mapping[str, ModelStats]) -> Iterable[Metric]:
+    def _workers(self, replica: str, models: Mapping[str, ModelStats]) -> Iterable[Metric]:
         llms = {name: m for name, m in models.items() if m.kind == "llm"}
         encoders = {name: m for name, m in models.items() if m.kind == "encoder"}
         yield from _llm_metrics(llms)
@@ -302,12 +313,13 @@ class EngineCollector(Collector):
         for name, doc, window, buckets, among in _WINDOWS:
             family = HistogramMetricFamily(name, doc, labels=["model"])
             for model, m in (llms if among == "llm" else models).items():
-                hist = self._window((window, model), buckets, m.windows.get(window, Window()))
+                key = (replica, window, model)
+                hist = self._window(key, buckets, m.windows.get(window, Window()))
                 family.add_metric([model], hist.buckets(), hist.total)
             yield family
 
     def _window(
-        self, key: tuple[str, str], buckets: tuple[float, ...], window: Window
+        self, key: tuple[str, ...], buckets: tuple[float, ...], window: Window
     ) -> _CumulativeHistogram:
         """A histogram kept across scrapes from a model's recent-values window and its
         running count: the values new since the last scrape are the window's tail."""

@@ -208,7 +208,7 @@ async def chat_completions(request: Request) -> Response:
     target = resolve(state, body.model)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     if target.model is None:
-        start = _GraphCall.factory(target, messages)
+        start = _GraphCall.factory(target, messages, body.user)
     else:
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = _params(body, max_tokens)
@@ -293,6 +293,7 @@ class _LLMCall:
                 params,
                 prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
                 messages=tuple(messages) if messages is not None else None,
+                session=user,
             )
             return cls(state, target, client, request)
 
@@ -326,18 +327,21 @@ class _LLMCall:
 class _GraphCall:
     """A chat graph run: the text output's node streams; the result ends it."""
 
-    def __init__(self, state: AppState, target: Target, executor: Any, messages: list[dict]):
+    def __init__(
+        self, state: AppState, target: Target, executor: Any, messages: list[dict], user=None
+    ):
         self.state, self.target, self.executor = state, target, executor
         self.prepared = executor.prepare(
             {target.messages_input: messages},
             outputs=[target.output],
             request_id=new_request_id("chatcmpl"),
+            session=user,
         )  # an InputError here is a 422
         self.request_id = self.prepared.request_id
 
     @classmethod
-    def factory(cls, target: Target, messages: list[dict]):
-        return lambda state, executor: cls(state, target, executor, messages)
+    def factory(cls, target: Target, messages: list[dict], user: str | None = None):
+        return lambda state, executor: cls(state, target, executor, messages, user)
 
     async def open(self) -> None:
         pass  # graph errors come as the run's own events
