@@ -13,6 +13,9 @@ class RequestError(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self):  # crosses process boundaries (Ray) as itself
+        return type(self), (self.field, self.message)
+
 
 class ModelLoadError(EngineError):
     """A model folder is missing, corrupt, or cannot serve the asked task."""
@@ -20,6 +23,10 @@ class ModelLoadError(EngineError):
     def __init__(self, path: str, message: str):
         super().__init__(f"{path}: {message}")
         self.path = path
+        self.message = message
+
+    def __reduce__(self):
+        return type(self), (self.path, self.message)
 
 
 class RequestAborted(Exception):

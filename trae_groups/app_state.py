@@ -151,8 +151,16 @@ class Ticket:
 class AppState:
     """Everything the routes share: graphs, models, admissions, metrics."""
 
-    def __init__(self, graphs: list[tuple[GraphSpec, Path | None]], config: ServerConfig):
+    def __init__(
+        self,
+        graphs: list[tuple[GraphSpec, Path | None]],
+        config: ServerConfig,
+        runtime: Callable[[list[GraphSpec], EngineConfig], Any] | None = None,
+    ):
+        """``runtime(specs, engine_config)`` makes what holds the models: by default a
+        ModelRuntime in this process; on Ray, the cluster's engine groups."""
         self.config = config
+        self._make_runtime = runtime
         self.metrics = Metrics()
         self.graphs: dict[str, ServedGraph] = {}
         for spec, path in graphs:
@@ -184,7 +192,7 @@ class AppState:
 
             engine_config = self.config.engine or EngineConfig()
             specs = [g.spec for g in self.graphs.values()]
-            runtime = ModelRuntime.for_specs(specs, engine_config)
+            runtime = (self._make_runtime or ModelRuntime.for_specs)(specs, engine_config)
             self.runtime = runtime
             for served in self.graphs.values():
                 served.bind(runtime.bind(served.graph))

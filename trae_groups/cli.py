@@ -1,6 +1,7 @@
 """The ``trae`` command (alias ``trae-cli``).
 
     trae serve GRAPH.yaml... [--host H] [--port P] [--pool-bytes 512MiB]
+    trae serve GRAPH.yaml... --ray [ADDRESS]   on a Ray cluster (--ray-config: its Serve config)
     trae run GRAPH.yaml --input '{"text": "hi"}' [--outputs a,b] [--stream]
     trae validate GRAPH.yaml...          exit 1 with file:line messages when invalid
     trae show GRAPH.yaml [--format text|mermaid|dot|png] [--output FILE]
@@ -400,6 +401,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         access_log=args.access_log,
         freeze_gc=args.gc_freeze,
     )
+    if args.ray_config:
+        import yaml
+
+        from trae_groups.cluster.app import serve_config
+
+        print(yaml.safe_dump(serve_config(args.graphs, args.host, args.port), sort_keys=False))
+        return 0
+    if args.ray is not None:
+        from trae_groups.cluster.app import run
+
+        return run(args.graphs, address=args.ray or None, host=args.host, port=args.port,
+                   engine=config.engine, server=config)  # fmt: skip
     return serve(args.graphs, config)
 
 
@@ -471,6 +484,20 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="leave the loaded models in the garbage collector's full passes "
         "(by default they are frozen out of them: 100-300 ms pauses otherwise)",
+    )
+    serve.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="serve on a Ray cluster: engine groups as Serve deployments (graph's deploy: "
+        "section); ADDRESS joins an existing cluster ('auto', 'ray://...'), none starts one",
+    )
+    serve.add_argument(
+        "--ray-config",
+        action="store_true",
+        help="print the Serve config equivalent to --ray (for `serve deploy`) and exit",
     )
     _engine_options(serve)
     serve.set_defaults(run=cmd_serve)

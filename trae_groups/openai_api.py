@@ -82,6 +82,7 @@ class _Sampling(_Body):
     repetition_penalty: float = sampling_field("repetition_penalty")
     stop: str | list[str] | None = None
     seed: int | None = sampling_field("seed")
+    ignore_eos: bool = Field(False, description="extension: keep generating past EOS")
     n: int = Field(1, ge=1, le=1, description="only 1 is supported")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -252,6 +253,7 @@ def _params(body: _Sampling, max_tokens: int | None) -> SamplingParams:
         repetition_penalty=body.repetition_penalty,
         seed=body.seed,
         stop=body.stops(),
+        ignore_eos=body.ignore_eos,
     )
 
 

@@ -22,7 +22,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -190,16 +190,19 @@ async def openapi(request: Request) -> Response:
 
 
 def create_app(
-    graphs: Sequence[GraphSpec | str | Path], config: ServerConfig | None = None
+    graphs: Sequence[GraphSpec | str | Path],
+    config: ServerConfig | None = None,
+    runtime: Callable[[list[GraphSpec], Any], Any] | None = None,
 ) -> Starlette:
     """The app serving ``graphs`` (specs or YAML paths). Invalid graphs raise
-    GraphValidationError here; models load when the app starts."""
+    GraphValidationError here; models load when the app starts, through
+    ``runtime(specs, engine_config)`` (default: a ModelRuntime in this process)."""
     config = config or ServerConfig()
     loaded = [
         (g, None) if isinstance(g, GraphSpec) else (load_graph(g), Path(g).resolve())
         for g in graphs
     ]
-    state = AppState(loaded, config)
+    state = AppState(loaded, config, runtime)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

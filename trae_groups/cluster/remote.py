@@ -11,8 +11,7 @@ taken back). Leaving a stream early cancels it, and the replica frees its pages.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import ray.exceptions
@@ -68,25 +67,32 @@ class RemoteClient:
         handle = self._stream
         if request.session:  # one session, one replica: its prefix cache keeps hitting
             handle = handle.options(session_id=request.session)
-        response = handle.generate.remote(self._key, request)
-        return self._chunks(request.request_id, response)
+        return self._chunks(request.request_id, lambda: handle.generate.remote(self._key, request))
 
-    async def _chunks(self, request_id: str, response: Any) -> AsyncGenerator[GenerationChunk]:
-        self._live[request_id] = response
-        finished = False
-        try:
-            async with aclosing(response) if hasattr(response, "aclose") else _null(response):
+    async def _chunks(
+        self, request_id: str, start: Callable[[], Any]
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        """A replica lost before the first chunk: tried once more (on another replica,
+        as Serve routes around the dead one); lost after it: ReplicaLost."""
+        streamed = False
+        for attempt in (1, 2):
+            response = start()
+            self._live[request_id] = response
+            finished = False
+            try:
                 async for chunk in response:
-                    finished = chunk.finished
+                    streamed, finished = True, chunk.finished
                     yield chunk
-        except REPLICA_GONE as exc:
-            raise ReplicaLost(f"the engine replica of {self.name!r} went away") from exc
-        except ray.exceptions.RayTaskError as exc:
-            raise unwrapped(exc) from None
-        finally:
-            self._live.pop(request_id, None)
-            if not finished:
-                response.cancel()  # the replica's generator ends and frees the pages
+                return
+            except REPLICA_GONE as exc:
+                if streamed or attempt == 2:
+                    raise ReplicaLost(f"the engine replica of {self.name!r} went away") from exc
+            except ray.exceptions.RayTaskError as exc:
+                raise unwrapped(exc) from None
+            finally:
+                self._live.pop(request_id, None)
+                if not finished:
+                    response.cancel()  # the replica's generator ends and frees the pages
 
     def abort(self, request_id: str) -> None:
         response = self._live.get(request_id)
@@ -95,17 +101,6 @@ class RemoteClient:
 
     def stats(self) -> ModelStats:
         return self._stats()
-
-
-class _null:
-    def __init__(self, value: Any):
-        self.value = value
-
-    async def __aenter__(self) -> Any:
-        return self.value
-
-    async def __aexit__(self, *exc: Any) -> None:
-        return None
 
 
 def summed(stats: list[EngineStats]) -> EngineStats | None:
