@@ -99,6 +99,8 @@ def cluster(tmp_path_factory):
     ray.init(
         num_cpus=2, include_dashboard=False, log_to_driver=False,
         _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        # replicas report their autoscaling stats every half second (default 10 s)
+        runtime_env={"env_vars": {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}},
     )  # fmt: skip
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -115,7 +117,7 @@ def deploy(models: Path, tmp: Path, deploy_section: str) -> None:
     path.write_text(graph_yaml(models, deploy_section))
     options = ClusterOptions(
         graceful_shutdown_timeout_s=1, graceful_shutdown_wait_loop_s=0.1,
-        health_check_period_s=1, autoscaling_metrics_interval_s=0.5,
+        health_check_period_s=1,
     )  # fmt: skip
     serve.run(build([path], ENGINE, options=options), name="trae", route_prefix="/")
 

@@ -44,7 +44,7 @@ class ClusterOptions:
     graceful_shutdown_timeout_s: float = 5.0
     graceful_shutdown_wait_loop_s: float = 0.5
     health_check_period_s: float = 2.0
-    autoscaling_metrics_interval_s: float | None = None  # None: Serve's default
+    autoscaling_look_back_s: float | None = None  # None: Serve's default
 
 
 def graph_source(path: str | Path) -> tuple[GraphSpec, GraphSource]:
@@ -83,9 +83,8 @@ def group_options(group: GroupSpec, options: ClusterOptions) -> dict[str, Any]:
             "policy_kwargs": {"target_utilization": scaling.target_utilization},
         },
     }
-    if options.autoscaling_metrics_interval_s is not None:
-        config["metrics_interval_s"] = options.autoscaling_metrics_interval_s
-        config["look_back_period_s"] = max(1.0, 2 * options.autoscaling_metrics_interval_s)
+    if options.autoscaling_look_back_s is not None:
+        config["look_back_period_s"] = options.autoscaling_look_back_s
     out["autoscaling_config"] = AutoscalingConfig(**config)
     return out
 
