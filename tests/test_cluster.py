@@ -199,6 +199,39 @@ def test_serve_config_lists_each_group(models, tmp_path):
     assert options["ray_actor_options"] == {"num_cpus": 0.2}
 
 
+def test_kuberay_example_is_a_valid_graph_and_serve_config():
+    import yaml
+
+    examples = Path(__file__).resolve().parents[1] / "examples" / "kuberay"
+    spec = load_graph_text((examples / "support.yaml").read_text(), "support.yaml")
+    assert spec.deploy.group_of(list(spec.models))["dialog"] == "llm"
+    service = yaml.safe_load((examples / "rayservice.yaml").read_text())
+    app = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]
+    assert app["import_path"] == "trae_groups.cluster.app:app_builder"
+    from trae_groups.cluster import app as cluster_app
+
+    assert callable(cluster_app.app_builder)
+
+
+def test_cli_prints_the_serve_config(models, tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    path = tmp_path / "g.yaml"
+    path.write_text(graph_yaml(models, TWO_GROUPS))
+    done = subprocess.run(
+        [sys.executable, "-m", "trae_groups.cli", "serve", str(path), "--ray-config", "--port", "9001"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    config = yaml.safe_load(done.stdout)
+    assert config["http_options"]["port"] == 9001
+    replicas = {d["name"]: d.get("num_replicas") for d in config["applications"][0]["deployments"]}
+    assert replicas == {"support-engine": 1, "support-llm": 2}
+
+
 # ---------------------------------------------------------------- on the cluster
 
 
