@@ -109,14 +109,19 @@ def build(
             for group in groups
         }
     ingress = sources[0][0].deploy.ingress
+    server = server or ServerConfig()
+    # our own admission (max_inflight per graph, then 429) is the limit; Serve's default
+    # of 5 calls per replica would queue requests in the proxy behind it, with backoff
+    limit = sum(server.limit_for(spec.name) for spec, _ in sources) + 16
     front = serve.deployment(Ingress).options(
         name="ingress",
         num_replicas=ingress.replicas,
+        max_ongoing_requests=limit,
         ray_actor_options={"num_cpus": ingress.num_cpus},
         graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
         graceful_shutdown_wait_loop_s=options.graceful_shutdown_wait_loop_s,
     )
-    return front.bind([s for _, s in sources], handles, server or ServerConfig(), options.app)
+    return front.bind([s for _, s in sources], handles, server, options.app)
 
 
 def app_builder(args: dict[str, Any]) -> Any:
