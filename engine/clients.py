@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from trae_groups.engine import chat
 from trae_groups.engine.encoder_worker import EncoderWorker
 from trae_groups.engine.engine import OutputStream
 from trae_groups.engine.errors import EngineStopped, RequestError
@@ -70,8 +71,14 @@ class LocalLLM:
         if not self._running():
             raise EngineStopped("the engine is not running")
         prompt = request.prompt
-        if request.messages is not None:
-            prompt = self.worker.chat_prompt(list(request.messages))
+        if request.messages is not None:  # what users wrote stays text (engine/chat.py)
+            tokenizer = self.worker.tokenizer
+            messages = list(request.messages)
+            prompt = (
+                chat.chat_token_ids(tokenizer, messages)
+                if tokenizer
+                else chat.render(None, messages)
+            )
         stream = OutputStream(self.worker.abort, asyncio.get_running_loop())
         stream.request_id = request.request_id
         self.worker.submit(

@@ -14,6 +14,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from trae_groups.engine import chat
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.detokenizer import find_stop, update_text
 from trae_groups.engine.errors import EngineStopped, RequestError
@@ -105,12 +106,7 @@ class LLMWorker(Worker):
                 raise RequestError(
                     "prompt", f"model {self.name!r} has no tokenizer; send token ids"
                 )
-            if not prompt:
-                return []
-            backend = getattr(self.tokenizer, "backend_tokenizer", None)
-            if backend is not None:  # the Rust tokenizer itself: a third of the cost per prompt
-                return backend.encode(prompt, add_special_tokens=False).ids
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return chat.encode(self.tokenizer, prompt)
         return list(prompt)
 
     def submit(
@@ -325,15 +321,6 @@ class LLMWorker(Worker):
         self._take_new_and_aborts()
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._fail(seq, str(EngineStopped("the engine stopped")))
-
-    def chat_prompt(self, messages: list[dict]) -> str:
-        """Chat messages as this model's prompt, through its tokenizer's chat template
-        (a plain transcript the model can continue when it has none)."""
-        tokenizer = self.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            lines = [f"{m['role']}: {m['content']}" for m in messages]
-            return "\n".join(lines) + "\nassistant:"
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     # -- accounting ----------------------------------------------------------------------
     def model_stats(self) -> ModelStats:

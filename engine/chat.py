@@ -1,0 +1,96 @@
+"""Chat messages to a prompt's token ids, with what users wrote kept as plain text.
+
+A chat template wraps each message in control tokens (``<|im_start|>user ...``). If
+a message's content were tokenized with special tokens recognized, a user could
+forge a turn by typing one. So, when some content holds a special token's text, the
+template is rendered with a placeholder for each content; the template's own text
+is tokenized with special tokens recognized, each content without them (its
+``<|im_start|>`` stays the characters it is). Content without any special token's
+text takes the plain path (render, then tokenize), which gives the same ids. A role
+that holds a special token's text is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+from trae_groups.engine.errors import RequestError
+
+log = logging.getLogger("trae_groups.engine")
+
+_MARK = "\ue000trae-content-{}\ue001"  # private-use characters around a message's index
+
+
+def encode(tokenizer: Any, text: str, *, specials: bool = True) -> list[int]:
+    """Token ids of ``text`` (no BOS/EOS added); ``specials=False`` reads the text of a
+    special token as plain characters."""
+    if not text:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=not specials)
+    # the Rust tokenizer itself (a third of the cost per prompt); its flag is state,
+    # so it is set for every call and put back
+    backend.encode_special_tokens = not specials
+    try:
+        return backend.encode(text, add_special_tokens=False).ids
+    finally:
+        backend.encode_special_tokens = False
+
+
+def render(tokenizer: Any, messages: Sequence[dict]) -> str:
+    """The prompt text of chat messages: the tokenizer's chat template, or a plain
+    transcript the model can continue when it has none."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return "\n".join(lines) + "\nassistant:"
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+
+def chat_token_ids(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+    """The prompt's token ids for these messages (see the module docstring)."""
+    specials = special_texts(tokenizer)
+    for i, m in enumerate(messages):
+        if any(s in m["role"] for s in specials):
+            raise RequestError(f"messages.{i}.role", "holds a special token's text")
+    if not any(s in m["content"] for m in messages for s in specials):
+        return encode(tokenizer, render(tokenizer, messages))
+    marks = [_MARK.format(i) for i in range(len(messages))]
+    text = render(
+        tokenizer, [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
+    )
+    ids: list[int] = []
+    for mark, message in zip(marks, messages, strict=True):
+        before, found, text = text.partition(mark)
+        if not found:  # the template rewrote a content: drop the special texts instead
+            log.warning("chat template does not keep contents verbatim; special tokens dropped")
+            return encode(tokenizer, render(tokenizer, _without(messages, specials)))
+        ids += encode(tokenizer, before) + encode(tokenizer, message["content"], specials=False)
+    return ids + encode(tokenizer, text)
+
+
+@lru_cache(maxsize=64)
+def _special_texts(tokenizer: Any) -> tuple[str, ...]:
+    found = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            found.add(str(token))
+    return tuple(sorted(t for t in found if t))
+
+
+def special_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts of a tokenizer's special tokens (cached per tokenizer)."""
+    return _special_texts(tokenizer) if tokenizer is not None else ()
+
+
+def _without(messages: Sequence[dict], specials: Sequence[str]) -> list[dict]:
+    out = []
+    for m in messages:
+        content = m["content"]
+        for s in specials:
+            content = content.replace(s, "")
+        out.append({**m, "content": content})
+    return out
