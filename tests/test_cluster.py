@@ -340,6 +340,12 @@ def test_a_killed_replica_gives_clean_errors_and_serving_goes_on(http):
         target=lambda: outcome.update(plain=http.post("/v1/completions", json=long))
     )
     thread.start()
+
+    def generating() -> bool:
+        stats = board_stats().get(victim)
+        return stats is not None and stats.models["dialog"].running >= 1
+
+    wait_until(generating, "the long completion to run on the session's replica", 60)
     body = {"inputs": {"text": TEXTS[2]}, "outputs": ["story"], "stream": True}
     events, kind = [], None
     with http.stream(
@@ -371,7 +377,7 @@ def test_a_killed_replica_gives_clean_errors_and_serving_goes_on(http):
     wait_until(
         lambda: len(replicas("llm")) == 2 and victim not in replicas("llm"),
         "Serve to replace the killed replica",
-        60,
+        120,
     )
 
 
