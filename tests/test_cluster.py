@@ -333,7 +333,7 @@ def test_a_killed_replica_gives_clean_errors_and_serving_goes_on(http):
     session = "kill-me"
     live = replicas("llm")
     victim = max(live, key=lambda r: _score(session, r))  # where the router sends the session
-    long = {"model": "support/dialog", "prompt": "hello", "max_tokens": 1500,
+    long = {"model": "support/dialog", "prompt": "hello", "max_tokens": 3000,
             "ignore_eos": True, "user": session}  # fmt: skip
     outcome: dict = {}
     thread = threading.Thread(
