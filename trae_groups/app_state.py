@@ -20,12 +20,20 @@ from typing import Any
 
 import anyio
 
+from trae_groups.admission import ServiceRate, overloaded
 from trae_groups.engine.config import EngineConfig
 from trae_groups.graphs.compile import CompiledGraph, compile_graph
 from trae_groups.graphs.errors import NodeError
 from trae_groups.graphs.executor import GraphExecutor, RunResult
 from trae_groups.graphs.spec import GraphSpec, PythonNode
-from trae_groups.http_errors import error_body, not_found, queue_full, status_of, unavailable
+from trae_groups.http_errors import (
+    error_body,
+    not_found,
+    overloaded_error,
+    queue_full,
+    status_of,
+    unavailable,
+)
 from trae_groups.metrics import Metrics, NodeInfo
 
 log = logging.getLogger("trae_groups.server")
@@ -46,6 +54,9 @@ class ServerConfig:
     retry_after_s: int = 1
     shutdown_grace_s: float = 30.0
     admin_token: str | None = None
+    # refuse at once (429) what the requests in flight would keep waiting longer than
+    # this, for graphs without a timeout of their own (trae_groups/admission.py)
+    max_queue_wait_s: float = 30.0
     log_level: str = "info"
     access_log: bool = True  # uvicorn's line per request, at log_level info
     freeze_gc: bool = True  # models loaded: gc.freeze() the heap (graphs.runtime.settle_heap)
@@ -58,6 +69,8 @@ class ServerConfig:
             raise ValueError("max_body_bytes: must be >= 1")
         if self.retry_after_s < 0 or self.shutdown_grace_s < 0:
             raise ValueError("retry_after_s and shutdown_grace_s: must be >= 0")
+        if self.max_queue_wait_s <= 0:
+            raise ValueError("max_queue_wait_s: must be > 0")
 
     def limit_for(self, graph: str) -> int:
         return self.graph_limits.get(graph, self.max_inflight)
@@ -84,6 +97,7 @@ class ServedGraph:
     executor: GraphExecutor | None = None
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
     inflight: int = 0
+    rate: ServiceRate = field(default_factory=ServiceRate)  # completions per busy second
     reload_lock: anyio.Lock = field(default_factory=anyio.Lock)
     _users: dict[GraphExecutor, int] = field(default_factory=dict)
     _retired: dict[GraphExecutor, Callable[[GraphExecutor], None]] = field(default_factory=dict)
@@ -108,11 +122,13 @@ class ServedGraph:
 
     def enter(self) -> GraphExecutor:
         self.inflight += 1
+        self.rate.started()
         self._users[self.executor] = self._users.get(self.executor, 0) + 1
         return self.executor
 
     def leave(self, executor: GraphExecutor) -> None:
         self.inflight -= 1
+        self.rate.ended()
         self._users[executor] -= 1
         if self._users[executor] == 0:
             del self._users[executor]
@@ -266,6 +282,11 @@ class AppState:
         if served.inflight >= served.limit:
             self.metrics.observe_rejected(served.name, "queue_full")
             raise queue_full(served.name, served.limit, max(1, self.config.retry_after_s))
+        budget = served.spec.timeout or self.config.max_queue_wait_s
+        retry = overloaded(served.rate, served.inflight, budget)
+        if retry is not None:
+            self.metrics.observe_rejected(served.name, "overloaded")
+            raise overloaded_error(served.name, budget, retry)
         self.inflight += 1
         self.metrics.inflight.labels(served.name).inc()
         return Ticket(self, served)
@@ -304,6 +325,7 @@ class AppState:
         elif result is None:
             self.metrics.observe_request(name, CLIENT_GONE)
         else:
+            served.rate.completed_one()
             self.metrics.observe_request(name, 200, time.perf_counter() - start)
             self.metrics.observe_nodes(name, result.nodes, start, node_versions(served, result))
 

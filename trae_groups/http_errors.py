@@ -98,6 +98,16 @@ def queue_full(graph: str, limit: int, retry_after: int) -> HTTPError:
     )
 
 
+def overloaded_error(graph: str, limit_s: float, retry_after: int) -> HTTPError:
+    return HTTPError(
+        429,
+        f"graph '{graph}' is overloaded: the requests in flight would keep a new one "
+        f"waiting past its {limit_s:g} s limit; retry later",
+        type="Overloaded",
+        headers={"Retry-After": str(retry_after)},
+    )
+
+
 def unavailable(message: str, retry_after: int, type: str = "ServiceUnavailable") -> HTTPError:
     return HTTPError(503, message, type=type, headers={"Retry-After": str(retry_after)})
 

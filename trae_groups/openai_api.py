@@ -426,6 +426,8 @@ async def _respond(request: Request, state: AppState, target, body, start, *, ch
 
 def _count(state: AppState, endpoint: str, target: Target, code: int) -> None:
     state.metrics.openai_requests.labels(endpoint, target.id, str(code)).inc()
+    if code == 200 and target.model is not None:  # graph calls are counted by record()
+        target.served.rate.completed_one()
 
 
 async def _collect(call) -> list[_Piece]:

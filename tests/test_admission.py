@@ -1,0 +1,113 @@
+"""Admission by capacity (trae_groups/admission.py): a burst beyond what a graph can
+answer within its time limit is refused at once with 429 and Retry-After, instead of
+queueing until it times out."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import sys
+
+import httpx
+import pytest
+
+from trae_groups import admission
+from trae_groups.admission import ServiceRate, overloaded
+from trae_groups.server import ServerConfig, ServerThread, create_app
+
+MODULE = "admission_test_nodes"
+SOURCE = '''
+"""A node that serves one request at a time, 20 ms each: a graph with a known capacity."""
+import anyio
+
+_lock = None
+
+
+async def serial(text: str) -> dict:
+    global _lock
+    _lock = _lock or anyio.Lock()
+    async with _lock:
+        await anyio.sleep(0.02)
+    return {"text": text}
+'''
+GRAPH = """
+name: serial
+timeout: 1s
+inputs: {text: str}
+nodes:
+  work: {function: "admission_test_nodes:serial", args: {text: "{{ inputs.text }}"}}
+outputs: {text: work.text}
+"""
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_rate_counts_busy_time_only(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(admission.time, "monotonic", clock)
+    rate = ServiceRate()
+    for _ in range(admission.MIN_SAMPLES):  # one at a time, 50 ms each, 1 s apart
+        rate.started()
+        clock.now += 0.05
+        rate.completed_one()
+        rate.ended()
+        clock.now += 1.0  # idle: must not count
+    assert rate.per_second == pytest.approx(20.0, rel=0.05)
+    assert rate.expected_wait(10) == pytest.approx(0.5, rel=0.05)
+    assert overloaded(rate, 10, limit_s=1.0) is None  # 0.5 s <= 0.8 x 1 s
+    assert overloaded(rate, 100, limit_s=1.0) == 5  # 5 s of queue against 0.8 s
+
+
+def test_no_estimate_before_enough_samples():
+    rate = ServiceRate()
+    rate.started()
+    rate.completed_one()
+    rate.ended()
+    assert rate.per_second is None and overloaded(rate, 10_000, limit_s=0.1) is None
+
+
+@pytest.fixture
+def server(tmp_path):
+    (tmp_path / f"{MODULE}.py").write_text(SOURCE)
+    sys.path.insert(0, str(tmp_path))
+    importlib.invalidate_caches()
+    graph = tmp_path / "serial.yaml"
+    graph.write_text(GRAPH)
+    with ServerThread(create_app([graph], ServerConfig(max_inflight=1000))) as running:
+        yield running
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop(MODULE, None)
+
+
+def test_a_burst_past_capacity_is_refused_at_once_not_timed_out(server):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for i in range(12):  # measures the graph's rate: about 50 requests/s
+            assert (
+                client.post("/v1/graphs/serial", json={"inputs": {"text": str(i)}}).status_code
+                == 200
+            )
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=150)
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=limits) as client:
+            calls = [
+                client.post("/v1/graphs/serial", json={"inputs": {"text": str(i)}})
+                for i in range(150)
+            ]
+            return await asyncio.gather(*calls)
+
+    answers = asyncio.run(burst())  # 150 x 20 ms = 3 s of work against a 1 s limit
+    codes = [r.status_code for r in answers]
+    refused = [r for r in answers if r.status_code == 429]
+    assert codes.count(504) == 0, codes  # nothing admitted that could not finish in time
+    assert refused and codes.count(200) + len(refused) == len(codes), codes
+    assert all(r.json()["error"]["type"] == "Overloaded" for r in refused)
+    assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'trae_graph_rejected_total{graph="serial",reason="overloaded"}' in metrics
