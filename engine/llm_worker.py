@@ -16,6 +16,7 @@ import torch
 
 from trae_groups.engine import chat
 from trae_groups.engine.config import EngineConfig
+from trae_groups.engine.constraints import Grammars, fill_masks
 from trae_groups.engine.detokenizer import find_stop, update_text
 from trae_groups.engine.errors import EngineStopped, RequestError
 from trae_groups.engine.llm_runner import LLMRunner, kv_layout
@@ -83,6 +84,7 @@ class LLMWorker(Worker):
         self._aborts: set[str] = set()
         self._live: dict[str, Sequence] = {}
         self._stalled_until = 0.0
+        self._grammars: Grammars | None = None
         # counters (metrics read them; derived rates live in the metrics layer)
         self.num_steps = 0
         self.num_generated = 0
@@ -142,6 +144,8 @@ class LLMWorker(Worker):
         seq = Sequence(
             request_id, tokens, params, sink, priority or Priority(), generator=generator
         )
+        if params.constraint is not None:  # compiled here, on the submitting thread
+            seq.matcher = self.grammars().matcher(params.constraint)
         with self._lock:
             if request_id in self._live:
                 raise RequestError("request_id", f"{request_id!r} is already running")
@@ -202,6 +206,7 @@ class LLMWorker(Worker):
                 [s.params for s in sampling],
                 [s.token_ids for s in sampling],
                 [s.generator for s in sampling],
+                self._masks(sampling),
             )
         except Exception as exc:  # a model failure fails this batch, not the engine
             log.exception("model %s failed a step", self.name)
@@ -232,6 +237,21 @@ class LLMWorker(Worker):
                 self.scheduler.finish(seq, "abort")
                 self._emit(seq)
 
+    def grammars(self) -> Grammars:
+        """This model's constraint matchers (made at the first constrained request)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise RequestError("constraint", f"model {self.name!r} has no tokenizer")
+            vocab = self.model.config.get_text_config().vocab_size
+            self._grammars = Grammars(self.tokenizer, vocab, self.eos_ids)
+        return self._grammars
+
+    def _masks(self, sampling: list[Sequence]) -> tuple[list[int], torch.Tensor] | None:
+        rows = [i for i, s in enumerate(sampling) if s.matcher is not None]
+        if not rows:
+            return None
+        return rows, fill_masks([sampling[i].matcher for i in rows], self._grammars.words())
+
     def _postprocess(self, sched: SchedulerOutput, sampling: list[Sequence], result) -> None:
         now = time.monotonic()
         for item in sched.scheduled:
@@ -260,6 +280,12 @@ class LLMWorker(Worker):
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
+        if seq.matcher is not None:
+            seq.matcher.consume_token(token)
+            if seq.matcher.is_stopped() and token not in self.eos_ids:  # complete: no token fits
+                if self.tokenizer is not None:
+                    update_text(seq, self.tokenizer, params.skip_special_tokens, final=True)
+                return "stop"
         if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
             if self.tokenizer is not None:  # the stop token's own text is not part of the reply
                 update_text(seq, self.tokenizer, params.skip_special_tokens, final=True, upto=-1)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trae_groups.engine.constraints import Constraint, apply_masks
 from trae_groups.engine.errors import RequestError
 
 
@@ -96,6 +97,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many top alternatives per token
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None  # the output must match it (engine/constraints.py)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -178,12 +180,21 @@ class Sampler:
         params: list[SamplingParams],
         seen: list[list[int]],
         generators: list[torch.Generator | None],
+        masks: tuple[list[int], torch.Tensor] | None = None,
     ) -> SampleResult:
+        """``masks``: the rows that have a constraint and their token bitmasks; the
+        other rows are sampled exactly as without them."""
         logits = logits.float()
         raw = logits
         if any(p.repetition_penalty != 1.0 for p in params):
             logits = logits.clone()
             apply_repetition_penalty(logits, seen, [p.repetition_penalty for p in params])
+        if masks is not None:
+            rows, bits = masks
+            logits = logits.clone() if logits is raw else logits
+            constrained = logits[rows]
+            apply_masks(constrained, bits)
+            logits[rows] = constrained
         tokens = logits.argmax(-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:

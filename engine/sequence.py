@@ -6,6 +6,7 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -54,6 +55,7 @@ class Sequence:
     num_published: int = 0  # full pages already offered to the prefix cache
     block_hashes: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    matcher: Any = None  # a constraint's matcher (engine/constraints.py), fed each output token
     text: str = ""
     sent_text_len: int = 0
     sent_tokens: int = 0
