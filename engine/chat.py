@@ -41,33 +41,37 @@ def encode(tokenizer: Any, text: str, *, specials: bool = True) -> list[int]:
         backend.encode_special_tokens = False
 
 
-def render(tokenizer: Any, messages: Sequence[dict]) -> str:
-    """The prompt text of chat messages: the tokenizer's chat template, or a plain
-    transcript the model can continue when it has none."""
+def render(tokenizer: Any, messages: Sequence[dict], tools: list[dict] | None = None) -> str:
+    """The prompt text of chat messages (and function tools, for templates that show
+    them): the tokenizer's chat template, or a plain transcript the model can continue
+    when it has none."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join(lines) + "\nassistant:"
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        list(messages), tools=tools, tokenize=False, add_generation_prompt=True
+    )
 
 
-def chat_token_ids(tokenizer: Any, messages: Sequence[dict]) -> list[int]:
+def chat_token_ids(
+    tokenizer: Any, messages: Sequence[dict], tools: list[dict] | None = None
+) -> list[int]:
     """The prompt's token ids for these messages (see the module docstring)."""
     specials = special_texts(tokenizer)
     for i, m in enumerate(messages):
         if any(s in m["role"] for s in specials):
             raise RequestError(f"messages.{i}.role", "holds a special token's text")
     if not any(s in m["content"] for m in messages for s in specials):
-        return encode(tokenizer, render(tokenizer, messages))
+        return encode(tokenizer, render(tokenizer, messages, tools))
     marks = [_MARK.format(i) for i in range(len(messages))]
-    text = render(
-        tokenizer, [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
-    )
+    masked = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
+    text = render(tokenizer, masked, tools)
     ids: list[int] = []
     for mark, message in zip(marks, messages, strict=True):
         before, found, text = text.partition(mark)
         if not found:  # the template rewrote a content: drop the special texts instead
             log.warning("chat template does not keep contents verbatim; special tokens dropped")
-            return encode(tokenizer, render(tokenizer, _without(messages, specials)))
+            return encode(tokenizer, render(tokenizer, _without(messages, specials), tools))
         ids += encode(tokenizer, before) + encode(tokenizer, message["content"], specials=False)
     return ids + encode(tokenizer, text)
 

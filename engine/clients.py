@@ -74,8 +74,9 @@ class LocalLLM:
         if request.messages is not None:  # what users wrote stays text (engine/chat.py)
             tokenizer = self.worker.tokenizer
             messages = list(request.messages)
+            tools = list(request.tools) if request.tools else None
             prompt = (
-                chat.chat_token_ids(tokenizer, messages)
+                chat.chat_token_ids(tokenizer, messages, tools)
                 if tokenizer
                 else chat.render(None, messages)
             )

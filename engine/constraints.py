@@ -37,6 +37,7 @@ _FORMATS = {
     "grammar": "grammar",
 }
 MAX_SPEC_CHARS = 100_000
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 64  # compiled matchers kept per tokenizer
 
 
@@ -71,6 +72,17 @@ class Constraint:
     def json_schema(cls, schema: dict | bool) -> Constraint:
         return cls("json_schema", json.dumps(schema))
 
+    def grammar_text(self) -> str:
+        """The spec as llguidance reads it: JSON is written compactly (one space after
+        ':' and ','), unless the schema's own ``x-guidance`` says otherwise, so that a
+        model cannot wander in whitespace."""
+        if self.kind != "json_schema":
+            return self.spec
+        schema = json.loads(self.spec)
+        if isinstance(schema, dict) and "x-guidance" not in schema:
+            schema = {**schema, "x-guidance": COMPACT_JSON}
+        return json.dumps(schema)
+
     @classmethod
     def choice(cls, options: list[str]) -> Constraint:
         return cls("choice", json.dumps(list(options)))
@@ -80,7 +92,7 @@ class Constraint:
         import llguidance
 
         try:
-            return llguidance.grammar_from(_FORMATS[self.kind], self.spec)
+            return llguidance.grammar_from(_FORMATS[self.kind], self.grammar_text())
         except (ValueError, TypeError) as exc:
             raise RequestError("constraint", f"{self.kind}: {exc}") from None
 

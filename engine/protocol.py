@@ -69,6 +69,7 @@ class GenerateRequest:
     messages: tuple[dict[str, str], ...] | None = None
     priority: Priority = field(default_factory=Priority)
     session: str | None = None  # requests of one session go to one replica (prefix cache)
+    tools: tuple[dict, ...] | None = None  # function tools the chat template shows
 
     def __post_init__(self):
         if (self.prompt is None) == (self.messages is None):

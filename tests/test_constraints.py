@@ -12,7 +12,11 @@ from trae_groups.engine.constraints import Constraint
 
 SCHEMA = {
     "type": "object",
-    "properties": {"order_id": {"type": "integer"}, "urgent": {"type": "boolean"}},
+    # bounded, so that a random tiny model finishes (a digit always fits an open integer)
+    "properties": {
+        "order_id": {"type": "integer", "minimum": 0, "maximum": 99999},
+        "urgent": {"type": "boolean"},
+    },
     "required": ["order_id", "urgent"],
     "additionalProperties": False,
 }

@@ -1,5 +1,6 @@
 """OpenAI-compatible endpoints, so stock clients work: ``POST /v1/chat/completions``,
-``POST /v1/completions`` (streamed or not) and ``GET /v1/models``.
+``POST /v1/completions`` (streamed or not), ``POST /v1/embeddings`` and
+``GET /v1/models``.
 
 What ``model`` names (GET /v1/models lists every id):
 
@@ -8,17 +9,23 @@ What ``model`` names (GET /v1/models lists every id):
    generate node's ``text`` (``reply.text``). The request's messages become that
    input; only that output is computed; its tokens stream as they are generated.
    The graph's own node parameters apply (sampling fields of the request do not).
-2. An **LLM of a served graph** as ``graph/model`` (the graph's name for the model).
-3. The **bare model name**, when it reaches one LLM across every served graph and no
-   graph has that name (a graph's name wins; ``graph/model`` always works).
+2. An **LLM or embedding model of a served graph** as ``graph/model`` (the graph's
+   name for the model).
+3. The **bare model name**, when it reaches one model across every served graph and
+   no graph has that name (a graph's name wins; ``graph/model`` always works).
 
 Requests count against the named graph's in-flight limit. Completions take an LLM
-only. Unsupported options (``n`` > 1, penalties, logprobs, echo) are a 422 that names
-the field, never silently ignored; unknown fields are ignored, as OpenAI does.
+only, embeddings an ``embed`` model only. Structured outputs (``response_format``,
+``guided_*``, tools) are in trae_groups/openai_structured.py. Unsupported options
+(``n`` > 1, penalties, logprobs, echo) are a 422 that names the field, never silently
+ignored; unknown fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import struct
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -30,10 +37,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from trae_groups.app_state import CLIENT_GONE, AppState, ServedGraph
+from trae_groups.engine.constraints import Constraint
 from trae_groups.engine.protocol import (
+    EncodeOptions,
+    EncodeRequest,
     GenerateRequest,
     GenerationChunk,
     ModelClient,
+    Pooling,
     new_request_id,
 )
 from trae_groups.engine.sampling import SamplingParams
@@ -42,6 +53,12 @@ from trae_groups.graphs.spec import GenerateNode, GraphSpec
 from trae_groups.graphs.types import sampling_field
 from trae_groups.http_errors import HTTPError, bad_request, error_body, not_found, status_of
 from trae_groups.http_io import Emit, EventStream, read_json, sse, until_disconnect
+from trae_groups.openai_structured import (
+    Structured,
+    ToolFields,
+    tool_call_constraint,
+    tool_calls,
+)
 
 # ---------------------------------------------------------------- request bodies
 
@@ -58,6 +75,14 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: str = Field(min_length=1)
     content: str | list[TextPart] | None = None
+    # what a chat template may show of earlier tool calls and their results
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def as_message(self) -> dict:
+        extras = self.model_dump(include={"tool_calls", "tool_call_id", "name"}, exclude_none=True)
+        return {"role": self.role, "content": self.text(), **extras}
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -69,9 +94,10 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampling(_Body):
+class _Sampling(Structured):
     """The sampling fields: ranges, defaults and meanings are the engine's
-    (engine/sampling.py). ``max_tokens`` null means that default."""
+    (engine/sampling.py). ``max_tokens`` null means that default. Structured-output
+    fields come from trae_groups/openai_structured.py."""
 
     model: str
     max_tokens: int | None = sampling_field("max_tokens", None)
@@ -94,7 +120,7 @@ class _Sampling(_Body):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = sampling_field("max_tokens", None)
     logprobs: Literal[False] | None = Field(None, description="not supported")
@@ -105,6 +131,25 @@ class CompletionRequest(_Sampling):
     echo: Literal[False] = Field(False, description="not supported")
     logprobs: None = Field(None, description="not supported")
     suffix: None = Field(None, description="not supported")
+
+
+class EmbeddingRequest(_Body):
+    model: str
+    input: str | list[str] = Field(description="a text, or up to 2048 texts")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: None = Field(None, description="not supported")
+    user: str | None = None
+    pooling: Pooling = Field(EncodeOptions().pooling, description="extension: mean or cls")
+    normalize: bool = Field(EncodeOptions().normalize, description="extension: unit length")
+
+    def texts(self) -> list[str]:
+        texts = [self.input] if isinstance(self.input, str) else self.input
+        if not 1 <= len(texts) <= MAX_EMBEDDING_INPUTS:
+            raise HTTPError(422, f"input: 1 to {MAX_EMBEDDING_INPUTS} texts", field="input")
+        return texts
+
+
+MAX_EMBEDDING_INPUTS = 2048
 
 
 def _parse(model: type[BaseModel], body: Any) -> Any:
@@ -127,10 +172,15 @@ class Target:
 
     id: str
     served: ServedGraph
-    model: str | None = None  # an LLM: the graph's name for it
+    model: str | None = None  # an LLM or an embedding model: the graph's name for it
     messages_input: str | None = None  # a chat graph: where messages go
     output: str | None = None  # a chat graph: the output returned
     node: str | None = None  # a chat graph: the generate node that output reads
+    task: str = "generate"  # the model's task: generate, or embed (/v1/embeddings)
+
+    @property
+    def kind(self) -> str:
+        return "graph" if self.model is None else ("llm" if self.task == "generate" else self.task)
 
 
 def chat_parts(spec: GraphSpec) -> tuple[str, str, str] | None:
@@ -162,15 +212,16 @@ def targets(graphs: Mapping[str, ServedGraph]) -> dict[str, Target]:
         if served.executor is None:
             continue
         for model, spec in served.spec.models.items():
-            if spec.task != "generate":
+            if spec.task not in ("generate", "embed"):
                 continue
-            target = Target(f"{served.name}/{model}", served, model)
+            target = Target(f"{served.name}/{model}", served, model, task=spec.task)
             found[target.id] = target
             engine_name = served.executor.clients[model].name
             bare.setdefault(model, []).append((engine_name, target))
     for model, entries in bare.items():
         if model not in found and len({worker for worker, _ in entries}) == 1:
-            found[model] = Target(model, entries[0][1].served, model)
+            first = entries[0][1]
+            found[model] = Target(model, first.served, model, task=first.task)
     return found
 
 
@@ -196,7 +247,7 @@ async def list_models(request: Request) -> Response:
             "object": "model",
             "created": state.created,
             "owned_by": "trae-groups",
-            "trae": {"graph": target.served.name, "kind": "llm" if target.model else "graph"},
+            "trae": {"graph": target.served.name, "kind": target.kind},
         }
         for target in targets(state.graphs).values()
     ]
@@ -207,14 +258,23 @@ async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.trae
     body = _parse(ChatCompletionRequest, await read_json(request, state.config.max_body_bytes))
     target = resolve(state, body.model)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [m.as_message() for m in body.messages]
+    constraint, source = body.constraint()
+    forced = body.forced()
+    if forced:
+        if constraint is not None:
+            raise HTTPError(422, f"{source}: give tools or {source}, not both", field=source)
+        constraint = tool_call_constraint(forced)
+    _for_an_llm(target, "chat", constraint is not None or bool(body.tools))
     if target.model is None:
         start = _GraphCall.factory(target, messages, body.user)
     else:
         max_tokens = body.max_completion_tokens or body.max_tokens
-        params = _params(body, max_tokens)
-        start = _LLMCall.factory(target, params, messages=messages, user=body.user)
-    return await _respond(request, state, target, body, start, chat=True)
+        params = _params(body, max_tokens, constraint)
+        tools = body.shown()
+        start = _LLMCall.factory(target, params, messages=messages, user=body.user, tools=tools)
+    calls = forced or (body.tools if body.tool_choice != "none" else None)
+    return await _respond(request, state, target, body, start, chat=True, tools=calls)
 
 
 async def completions(request: Request) -> Response:
@@ -223,14 +283,62 @@ async def completions(request: Request) -> Response:
     target = resolve(state, body.model)
     if target.model is None:
         raise HTTPError(422, f"'{target.id}' is a graph: use /v1/chat/completions", field="model")
+    constraint, _source = body.constraint()
+    _for_an_llm(target, "completions", False)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
             raise HTTPError(422, "prompt: one prompt per request", field="prompt")
         prompt = prompt[0]
-    params = _params(body, body.max_tokens)
+    params = _params(body, body.max_tokens, constraint)
     start = _LLMCall.factory(target, params, prompt=prompt, user=body.user)
     return await _respond(request, state, target, body, start, chat=False)
+
+
+async def embeddings(request: Request) -> Response:
+    """``POST /v1/embeddings`` on an ``embed`` model of a served graph: every text is one
+    item of the model's batches, with items of all other requests."""
+    state: AppState = request.app.state.trae
+    body = _parse(EmbeddingRequest, await read_json(request, state.config.max_body_bytes))
+    target = resolve(state, body.model)
+    if target.task != "embed":
+        raise HTTPError(422, f"'{target.id}' is not an embedding model", field="model")
+    texts = body.texts()
+    options = EncodeOptions(pooling=body.pooling, normalize=body.normalize)
+    ticket = state.admit(target.served)
+    request_id = new_request_id("embd")
+    try:
+        client = _version(ticket.executor.models[target.model], body.user)
+
+        async def run() -> list[dict]:
+            calls = [
+                client.encode(EncodeRequest(text, f"{request_id}/{i}", options))
+                for i, text in enumerate(texts)
+            ]
+            return await asyncio.gather(*calls)
+
+        results, gone = await until_disconnect(request.receive, run)
+    except Exception as exc:
+        _count(state, "embeddings", target, status_of(exc))
+        raise
+    finally:
+        ticket.release()
+    if gone:
+        _count(state, "embeddings", target, CLIENT_GONE)
+        return Response(status_code=CLIENT_GONE)
+    _count(state, "embeddings", target, 200)
+    encode = _base64_floats if body.encoding_format == "base64" else list
+    data = [
+        {"object": "embedding", "index": i, "embedding": encode(r["vector"])}
+        for i, r in enumerate(results)
+    ]
+    usage = {"prompt_tokens": 0, "total_tokens": 0}  # encoders do not count tokens
+    return JSONResponse({"object": "list", "data": data, "model": target.id, "usage": usage})
+
+
+def _base64_floats(vector: list[float]) -> str:
+    """OpenAI's base64 embedding: little-endian float32, base64-encoded."""
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
 def _version(model: Any, user: str | None) -> Any:
@@ -240,7 +348,25 @@ def _version(model: Any, user: str | None) -> Any:
     return model.clients[model.choose(inputs)]
 
 
-def _params(body: _Sampling, max_tokens: int | None) -> SamplingParams:
+def _for_an_llm(target: Target, route: str, structured: bool) -> None:
+    """Embedding models answer /v1/embeddings only; a chat graph's own node decides its
+    sampling, so structured-output fields cannot apply to it."""
+    if target.task == "embed":
+        raise HTTPError(
+            422, f"'{target.id}' is an embedding model: use /v1/embeddings", field="model"
+        )
+    if structured and target.model is None:
+        raise HTTPError(
+            422,
+            f"'{target.id}' is a graph: its node's parameters apply; response_format, "
+            "guided_* and tools apply to an LLM (graph/model)",
+            field="model",
+        )
+
+
+def _params(
+    body: _Sampling, max_tokens: int | None, constraint: Constraint | None = None
+) -> SamplingParams:
     """Checked now, before admission (RequestError is a 422). No max_tokens: the
     engine's default."""
     default = SamplingParams.__dataclass_fields__["max_tokens"].default
@@ -254,6 +380,7 @@ def _params(body: _Sampling, max_tokens: int | None) -> SamplingParams:
         seed=body.seed,
         stop=body.stops(),
         ignore_eos=body.ignore_eos,
+        constraint=constraint,
     )
 
 
@@ -284,7 +411,14 @@ class _LLMCall:
 
     @classmethod
     def factory(
-        cls, target: Target, params: SamplingParams, *, prompt=None, messages=None, user=None
+        cls,
+        target: Target,
+        params: SamplingParams,
+        *,
+        prompt=None,
+        messages=None,
+        user=None,
+        tools=None,
     ):
         """Submits when called with the executor the request was admitted on."""
 
@@ -296,6 +430,7 @@ class _LLMCall:
                 prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
                 messages=tuple(messages) if messages is not None else None,
                 session=user,
+                tools=tuple(tools) if tools else None,
             )
             return cls(state, target, client, request)
 
@@ -390,7 +525,9 @@ class _GraphCall:
 # ---------------------------------------------------------------- responses
 
 
-async def _respond(request: Request, state: AppState, target, body, start, *, chat: bool):
+async def _respond(
+    request: Request, state: AppState, target, body, start, *, chat: bool, tools=None
+):
     """Admit, start the call, and answer: one JSON object, or SSE chunks then [DONE]."""
     endpoint = "chat" if chat else "completions"
     ticket = state.admit(target.served)
@@ -401,7 +538,7 @@ async def _respond(request: Request, state: AppState, target, body, start, *, ch
         ticket.release()
         _count(state, endpoint, target, status_of(exc))
         raise
-    shape = _Shape(call.request_id, target.id, int(time.time()), chat)
+    shape = _Shape(call.request_id, target.id, int(time.time()), chat, tuple(tools or ()))
 
     def close() -> None:
         call.close()
@@ -443,10 +580,13 @@ async def _collect(call) -> list[_Piece]:
 def _stream(state: AppState, call, shape: _Shape, endpoint: str, include_usage: bool):
     async def produce(emit: Emit) -> None:
         last = _Piece()
+        held: list[str] = []  # with tools, the reply is held until it is known to be a call
 
         async def send(piece: _Piece) -> None:
             nonlocal last
-            if piece.text:
+            if piece.text and shape.tools:
+                held.append(piece.text)
+            elif piece.text:
                 await emit(sse(None, shape.chunk(piece.text)))
             last = piece
 
@@ -454,7 +594,15 @@ def _stream(state: AppState, call, shape: _Shape, endpoint: str, include_usage: 
             if shape.chat:
                 await emit(sse(None, shape.chunk({"role": "assistant", "content": ""})))
             await call.run(send)
-            await emit(sse(None, shape.chunk(None, last.finish_reason or "stop")))
+            finish = last.finish_reason or "stop"
+            calls = tool_calls("".join(held), list(shape.tools))
+            if calls:
+                deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+                await emit(sse(None, shape.chunk({"tool_calls": deltas})))
+                finish = "tool_calls"
+            elif held:
+                await emit(sse(None, shape.chunk("".join(held))))
+            await emit(sse(None, shape.chunk(None, finish)))
             if include_usage:
                 await emit(sse(None, {**shape.chunk(None), "choices": [], "usage": _usage(last)}))
             _count(state, endpoint, call.target, 200)
@@ -482,12 +630,17 @@ class _Shape:
     model: str
     created: int
     chat: bool
+    tools: tuple = ()  # a reply that is one call of these is returned as tool_calls
 
     def whole(self, pieces: list[_Piece]) -> dict:
         text = "".join(p.text for p in pieces)
         last = pieces[-1] if pieces else _Piece(finish_reason="stop")
         choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason or "stop"}
-        if self.chat:
+        calls = tool_calls(text, list(self.tools))
+        if calls:
+            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+            choice["finish_reason"] = "tool_calls"
+        elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
@@ -526,4 +679,5 @@ def routes() -> list[Route]:
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
     ]

@@ -1,0 +1,189 @@
+"""Structured outputs and embeddings on the OpenAI routes, through the official
+`openai` client on a real uvicorn: response_format, guided_* extensions, forced tool
+calls, /v1/embeddings."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from conftest import build_encoder, build_llm
+from trae_groups.engine import EngineConfig
+from trae_groups.server import ServerConfig, ServerThread, create_app
+
+GRAPH = """
+name: shop
+models:
+  llm: {{source: {root}/llama, task: generate}}
+  emb: {{source: {root}/emb, task: embed}}
+inputs: {{text: str}}
+nodes:
+  say: {{model: llm, prompt: "{{{{ inputs.text }}}}", params: {{max_tokens: 3}}}}
+  vec: {{model: emb, input: "{{{{ inputs.text }}}}"}}
+outputs: {{said: say.text, vec: vec.embedding}}
+"""
+CHAT = """
+name: chatty
+models:
+  talk: {{source: {root}/llama, task: generate}}
+inputs: {{history: messages}}
+nodes:
+  answer: {{model: talk, messages: "{{{{ inputs.history }}}}", params: {{max_tokens: 5}}}}
+outputs: {{reply: answer.text}}
+"""
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "integer", "maximum": 99999},
+        "status": {"enum": ["late", "lost"]},
+    },
+    "required": ["order_id", "status"],
+    "additionalProperties": False,
+}
+USER = [{"role": "user", "content": "where is order 1234?"}]
+TOOLS = [
+    {"type": "function", "function": {"name": "track", "parameters": {
+        "type": "object", "properties": {"order_id": {"type": "integer", "maximum": 999}},
+        "required": ["order_id"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "refund", "parameters": {
+        "type": "object", "properties": {"reason": {"type": "string", "maxLength": 12}},
+        "required": ["reason"], "additionalProperties": False}}},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("structured")
+    build_llm(root / "llama", "llama", max_position_embeddings=1024)
+    build_encoder(root / "emb", "embed", [], seed=5)
+    (root / "shop.yaml").write_text(GRAPH.format(root=root))
+    (root / "chatty.yaml").write_text(CHAT.format(root=root))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(root):
+    config = ServerConfig(engine=EngineConfig(pool_bytes=16 << 20))
+    with ServerThread(create_app([root / "shop.yaml", root / "chatty.yaml"], config)) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_response_format_json_schema_and_json_object(client):
+    answer = client.chat.completions.create(
+        model="shop/llm", messages=USER, max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "order", "schema": SCHEMA}},
+    )  # fmt: skip
+    data = json.loads(answer.choices[0].message.content)
+    assert isinstance(data["order_id"], int) and data["status"] in ("late", "lost")
+    anything = client.chat.completions.create(
+        model="shop/llm", messages=USER, max_tokens=200, response_format={"type": "json_object"}
+    )
+    # an open object may run past max_tokens on a random model; what it wrote is an object
+    text, finish = anything.choices[0].message.content, anything.choices[0].finish_reason
+    assert text.startswith("{") and (finish == "length" or isinstance(json.loads(text), dict))
+
+
+def test_guided_extensions_on_completions(client):
+    regex = client.completions.create(
+        model="shop/llm",
+        prompt="code:",
+        max_tokens=12,
+        extra_body={"guided_regex": "[A-Z]{2}[0-9]{3}"},
+    )
+    assert re.fullmatch("[A-Z]{2}[0-9]{3}", regex.choices[0].text)
+    choice = client.completions.create(
+        model="shop/llm",
+        prompt="mood:",
+        max_tokens=8,
+        extra_body={"guided_choice": ["calm", "angry"]},
+    )
+    assert choice.choices[0].text in ("calm", "angry")
+
+
+def test_forced_tool_call_comes_back_as_tool_calls(client):
+    named = client.chat.completions.create(
+        model="shop/llm", messages=USER, max_tokens=200, tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "track"}},
+    )  # fmt: skip
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "track"
+    assert isinstance(json.loads(call.function.arguments)["order_id"], int)
+    stream = client.chat.completions.create(
+        model="shop/llm", messages=USER, max_tokens=200, tools=TOOLS, tool_choice="required",
+        stream=True,
+    )  # fmt: skip
+    chunks = list(stream)
+    calls = [
+        c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls
+    ]
+    assert len(calls) == 1 and calls[0][0].function.name in ("track", "refund")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"guided_regex": "(open", "guided_choice": ["a"]}, "guided_choice"),
+        ({"guided_regex": "(open"}, "guided_regex"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+         "response_format"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice"),
+    ],
+)  # fmt: skip
+def test_bad_structured_requests_are_422_naming_the_field(server, extra, field):
+    body = {"model": "shop/llm", "messages": USER, **extra}
+    answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["error"]["param"] in (field, f"{field}.json_schema.schema"), answer.text
+
+
+def test_structured_fields_do_not_apply_to_a_chat_graph(server):
+    body = {"model": "chatty", "messages": USER, "response_format": {"type": "json_object"}}
+    answer = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 422 and answer.json()["error"]["param"] == "model"
+
+
+def test_embeddings_match_transformers(client, root):
+    from transformers import AutoModel, AutoTokenizer
+
+    texts = ["hello world", "where is my order"]
+    result = client.embeddings.create(model="shop/emb", input=texts)
+    assert [d.index for d in result.data] == [0, 1]
+    model, tok = (
+        AutoModel.from_pretrained(root / "emb"),
+        AutoTokenizer.from_pretrained(root / "emb"),
+    )
+    for text, item in zip(texts, result.data, strict=True):
+        with torch.no_grad():
+            hidden = model(**tok(text, return_tensors="pt")).last_hidden_state[0]
+        assert torch.allclose(torch.tensor(item.embedding), hidden.mean(0), atol=1e-5)
+    one = client.embeddings.create(
+        model="shop/emb", input="hello world", extra_body={"normalize": True}
+    )
+    assert abs(torch.tensor(one.data[0].embedding).norm().item() - 1.0) < 1e-5
+    ids = {m.id: m.model_extra["trae"]["kind"] for m in client.models.list().data}
+    assert ids["shop/emb"] == "embed"
+
+
+def test_embeddings_refuse_an_llm_and_llm_routes_refuse_an_embedder(server):
+    wrong = httpx.post(f"{server.url}/v1/embeddings", json={"model": "shop/llm", "input": "x"})
+    assert wrong.status_code == 422 and wrong.json()["error"]["param"] == "model"
+    body = {"model": "shop/emb", "prompt": "x"}
+    assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 422
+    empty = httpx.post(f"{server.url}/v1/embeddings", json={"model": "shop/emb", "input": []})
+    assert empty.status_code == 422 and empty.json()["error"]["param"] == "input"
