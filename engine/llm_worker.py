@@ -73,6 +73,7 @@ class LLMWorker(Worker):
             cache_key=(cache_key or name) if config.enable_prefix_cache else None,
             policy=config.scheduling,
             zero_pages=backend.needs_zeroed_pages,
+            long_prefill_tokens=config.long_prefill_tokens,
         )
         self.sampler = Sampler()
         self.eos_ids = _eos_ids(model, tokenizer)
