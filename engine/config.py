@@ -27,6 +27,7 @@ class EngineConfig:
     # while other requests wait, one prompt chunk takes at most this many tokens of a
     # step, so a long prompt never keeps them out; None: max_num_batched_tokens // 4
     long_prefill_token_threshold: int | None = None
+    max_prompt_tokens: int | None = None  # longer prompts are refused; None: max_model_len - 1
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_cache: bool = True
     fast_linear: bool = True  # oneDNN pre-packed linears on CPU, when available
@@ -44,8 +45,9 @@ class EngineConfig:
         for name in ("tokens_per_page", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
-        if self.long_prefill_token_threshold is not None and self.long_prefill_token_threshold < 1:
-            raise ValueError("long_prefill_token_threshold: must be >= 1 (or None)")
+        for name in ("long_prefill_token_threshold", "max_prompt_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 (or None)")
         if self.scheduling not in ("graph", "fifo"):
             raise ValueError(f"scheduling: must be 'graph' or 'fifo', got {self.scheduling!r}")
         if self.page_bytes is not None and (self.page_bytes < 64 or self.page_bytes % 64):

@@ -14,6 +14,7 @@ import pytest
 from conftest import build_llm
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.engine import LLMEngine
+from trae_groups.engine.errors import RequestError
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.scheduler import Scheduler
@@ -101,3 +102,16 @@ def test_a_short_request_is_served_while_a_long_prompt_prefills(long_llm):
     assert beside["latency"] < 5 * statistics.median(alone)
     # before the fix the short one waited for the whole prefill
     assert beside["latency"] < long["latency"] / 3
+
+
+def test_max_prompt_tokens_refuses_longer_prompts(llama_dir):
+    config = EngineConfig(pool_bytes=8 << 20, fast_linear=False, max_prompt_tokens=10)
+    with LLMEngine({"m": llama_dir}, config) as eng:
+        with pytest.raises(RequestError) as err:
+            eng.generate([list(range(3, 14))], SamplingParams(max_tokens=2))
+        assert err.value.field == "prompt" and "max_prompt_tokens" in str(err.value)
+        assert eng.generate([list(range(3, 13))], SamplingParams(max_tokens=2))[0].finished
+        worker = eng.add_llm("m2", llama_dir, max_prompt_tokens=4)
+        assert worker.max_prompt_tokens == 4
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        EngineConfig(max_prompt_tokens=0)
