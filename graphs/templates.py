@@ -4,7 +4,9 @@ A graph file must never run code or read files, so the environment is Jinja's
 immutable sandbox with no loader (no include/import/extends), no extensions, no
 constant folding (so validating a template never evaluates it), StrictUndefined (a
 typo fails loudly instead of rendering as ""), and attribute access that prefers
-dict keys (so a result field named `items` is the field, not ``dict.items``).
+dict keys (so a result field named `items` is the field, not ``dict.items``). Nor
+may a template spend the process: sizes, work per render and nesting are bounded
+(graphs/sandbox.py).
 
 The rendering context is ``{"inputs": {...}, "<node>": result dict or None, ...}``.
 
@@ -21,40 +23,23 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from jinja2 import StrictUndefined, Undefined, meta, nodes
+from jinja2 import Undefined, meta, nodes
+from jinja2.environment import TemplateExpression
 from jinja2.exceptions import TemplateSyntaxError
 from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
-from jinja2.utils import Namespace
 from pydantic import BaseModel
 
 from trae_groups.graphs.errors import TemplateRenderError
+from trae_groups.graphs.sandbox import MAX_DEPTH, LimitExceeded, bound, budgeted, depth
+from trae_groups.graphs.sandbox import make_environment as make_environment
 from trae_groups.graphs.spec import GenerateNode, NodeSpec, PythonNode
 
 _SINGLE = re.compile(r"^\s*\{\{-?(.*?)-?\}\}\s*$", re.S)
 _FORBIDDEN_NODES = (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """The sandbox, with mapping keys winning over methods for `a.b`."""
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        if isinstance(obj, Mapping):
-            try:
-                return obj[attribute]
-            except (KeyError, TypeError):
-                pass
-        return super().getattr(obj, attribute)
-
-
-def make_environment() -> ImmutableSandboxedEnvironment:
-    """A fresh sandbox; its globals are only range (bounded), dict and namespace."""
-    env = _Sandbox(undefined=StrictUndefined, autoescape=False, optimized=False)
-    env.globals = {"range": safe_range, "dict": dict, "namespace": Namespace}
-    return env
-
-
 ENV = make_environment()
+_TOO_DEEP = f"template nested too deeply (more than {MAX_DEPTH} levels)"
 
 
 # ---------------------------------------------------------------- static analysis
@@ -105,6 +90,10 @@ def analyze(source: str, *, expression: bool = False) -> TemplateInfo:
         ast = parse(source, expression=expression)
     except TemplateSyntaxError as exc:
         return TemplateInfo((), (TemplateProblem(f"template syntax: {exc.message}", exc.lineno),))
+    except RecursionError:
+        return TemplateInfo((), (TemplateProblem(_TOO_DEEP, None),))
+    if depth(ast) > MAX_DEPTH:
+        return TemplateInfo((), (TemplateProblem(_TOO_DEEP, None),))
     free = meta.find_undeclared_variables(ast) - set(ENV.globals)
     return TemplateInfo(tuple(_references(ast, free)), tuple(_forbidden(ast)))
 
@@ -185,19 +174,20 @@ class GraphTemplate:
 
     def __init__(self, source: str):
         self.source = source
-        ast = _checked(source, expression=False)
+        ast = bound(_checked(source, expression=False), ENV)
         self._template = ENV.from_string(ast)
-        self._expression = _single_expression(source, ast)
+        expression = _single_expression(source, ast)
+        self._expression = None if expression is None else _compile_expression(expression)
 
     def render(self, context: Mapping[str, Any]) -> Any:
         try:
             if self._expression is None:
-                return self._template.render(context)
-            return _defined(self._expression(context))
+                return budgeted(lambda: self._template.render(context))
+            return _defined(budgeted(lambda: self._expression(context)))
         except TemplateRenderError:
             raise
         except Exception as exc:
-            raise TemplateRenderError(f"template {self.source!r}: {_describe(exc)}") from exc
+            raise TemplateRenderError(f"template {_clip(self.source)}: {_describe(exc)}") from exc
 
 
 class Condition:
@@ -205,16 +195,16 @@ class Condition:
 
     def __init__(self, source: str):
         self.source = source
-        _checked(source, expression=True)
-        self._expression = ENV.compile_expression(source, undefined_to_none=False)
+        ast = bound(_checked(source, expression=True), ENV)
+        self._expression = _compile_expression(ast.body[0].nodes[0])
 
     def evaluate(self, context: Mapping[str, Any]) -> bool:
         try:
-            return bool(_defined(self._expression(context)))
+            return bool(_defined(budgeted(lambda: self._expression(context))))
         except TemplateRenderError:
             raise
         except Exception as exc:
-            raise TemplateRenderError(f"condition {self.source!r}: {_describe(exc)}") from exc
+            raise TemplateRenderError(f"condition {_clip(self.source)}: {_describe(exc)}") from exc
 
 
 def _checked(source: str, *, expression: bool) -> nodes.Template:
@@ -222,13 +212,17 @@ def _checked(source: str, *, expression: bool) -> nodes.Template:
     try:
         ast = parse(source, expression=expression)
     except TemplateSyntaxError as exc:
-        raise TemplateRenderError(f"template {source!r}: {exc.message}") from exc
+        raise TemplateRenderError(f"template {_clip(source)}: {exc.message}") from exc
+    except RecursionError:
+        raise TemplateRenderError(f"template {_clip(source)}: {_TOO_DEEP}") from None
+    if depth(ast) > MAX_DEPTH:
+        raise TemplateRenderError(f"template {_clip(source)}: {_TOO_DEEP}")
     for problem in _forbidden(ast):
-        raise TemplateRenderError(f"template {source!r}: {problem.message}")
+        raise TemplateRenderError(f"template {_clip(source)}: {problem.message}")
     return ast
 
 
-def _single_expression(source: str, ast: nodes.Template) -> Any:
+def _single_expression(source: str, ast: nodes.Template) -> nodes.Expr | None:
     match = _SINGLE.match(source)
     if not match or len(ast.body) != 1 or not isinstance(ast.body[0], nodes.Output):
         return None
@@ -239,7 +233,15 @@ def _single_expression(source: str, ast: nodes.Template) -> Any:
     ]
     if len(parts) != 1 or isinstance(parts[0], nodes.TemplateData):
         return None
-    return ENV.compile_expression(match.group(1), undefined_to_none=False)
+    return parts[0]
+
+
+def _compile_expression(expression: nodes.Expr) -> TemplateExpression:
+    """Jinja's compile_expression, from an AST already checked and bounded."""
+    target = nodes.Name("result", "store", lineno=1)
+    root = nodes.Template([nodes.Assign(target, expression, lineno=1)], lineno=1)
+    root.set_environment(ENV)
+    return TemplateExpression(ENV.from_string(root), undefined_to_none=False)
 
 
 def _defined(value: Any) -> Any:
@@ -249,7 +251,13 @@ def _defined(value: Any) -> Any:
 
 
 def _describe(exc: Exception) -> str:
+    if isinstance(exc, LimitExceeded):
+        return f"over the template limits: {exc}"
     return str(exc) if str(exc) else type(exc).__name__
+
+
+def _clip(source: str, limit: int = 120) -> str:
+    return repr(source) if len(source) <= limit else repr(source[:limit]) + "..."
 
 
 @lru_cache(maxsize=1024)

@@ -6,8 +6,10 @@ real files, bounded in time."""
 from __future__ import annotations
 
 import statistics
+import textwrap
 import threading
 import time
+import tracemalloc
 
 import pytest
 
@@ -19,6 +21,9 @@ from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.scheduler import Scheduler
 from trae_groups.engine.sequence import Sequence
+from trae_groups.graphs.errors import GraphValidationError, TemplateRenderError
+from trae_groups.graphs.loader import load_graph_text
+from trae_groups.graphs.templates import Condition, GraphTemplate
 
 # -- 1. one long prompt must not stall the other LLM requests ------------------------------
 
@@ -115,3 +120,107 @@ def test_max_prompt_tokens_refuses_longer_prompts(llama_dir):
         assert worker.max_prompt_tokens == 4
     with pytest.raises(ValueError, match="max_prompt_tokens"):
         EngineConfig(max_prompt_tokens=0)
+
+
+# -- 3. templates: compiling never evaluates; rendering is bounded ------------------------
+
+
+def bounded(work, seconds: float = 60.0):
+    """Run work() in a thread; fail (not hang) if it does not finish in time."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = work()
+        except BaseException as exc:  # handed to the test
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s"
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def graph_with(prompt: str, when: str | None = None) -> str:
+    node = {"model": "llm", "prompt": prompt} | ({"when": when} if when else {})
+    return textwrap.dedent(f"""\
+        name: g
+        models:
+          llm: {{source: ./llm, task: generate}}
+        inputs: {{text: str}}
+        nodes:
+          reply: {node!r}
+        outputs: {{out: reply.text}}
+        """)
+
+
+def test_validating_huge_constant_expressions_neither_hangs_nor_allocates():
+    tracemalloc.start()
+    try:
+        for expression in ["9 ** (9 ** 9)", "'x' * 10**9", "[0] * 10**9", "'x' | center(10**9)"]:
+            text = graph_with("{{ " + expression + " }}", when=expression + " != 1")
+            spec = bounded(lambda text=text: load_graph_text(text, "g.yaml"))
+            assert spec.nodes["reply"].prompt == "{{ " + expression + " }}"
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20  # before: 2.9 GB for 'x' * 10**9
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ 9 ** (9 ** 9) }}",
+        "a {{ 'x' * 10**9 }}",
+        "{{ [0] * 10**9 }}",
+        "{{ 'x'.ljust(10**9) }}",
+        "{{ 'x' | center(10**9) }}",
+        "{{ '%0999999999d' % 1 }}",
+        "{{ '%0999999999d' | format(1) }}",
+        "{{ '{:>999999999}'.format(1) }}",
+        "{{ '{:>{w}}'.format(1, w=10**9) }}",
+        "{{ ('a' * 4000000) | replace('a', 'bb') }}",
+        "{{ [1] | batch(10**9, 0) | list }}",
+        "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+        "{% endfor %}",
+        "{% set ns = namespace(n=3) %}{% for i in range(64) %}{% set ns.n = ns.n * ns.n %}"
+        "{% endfor %}",
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+        "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+        "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+    ],
+)
+def test_rendering_stops_at_the_template_limits(template):
+    compiled = bounded(lambda: GraphTemplate(template), 10)
+    with pytest.raises(TemplateRenderError, match="over the template limits"):
+        bounded(lambda: compiled.render({}), 30)
+
+
+def test_conditions_are_bounded_too():
+    with pytest.raises(TemplateRenderError, match="over the template limits"):
+        bounded(lambda: Condition("('x' * 10**9) | length > 1").evaluate({}), 30)
+
+
+def test_ordinary_templates_are_unchanged_by_the_limits():
+    context = {"inputs": {"docs": ["a", "b"], "n": 3}}
+    assert GraphTemplate("{{ 2 ** 10 + inputs.n * 2 }}").render(context) == 1030
+    assert GraphTemplate("{{ inputs.docs + ['c'] }}").render(context) == ["a", "b", "c"]
+    rendered = GraphTemplate(
+        "{% for d in inputs.docs %}{{ loop.index }}:{{ d ~ '!' }} {% endfor %}"
+        "{{ '%03d' % inputs.n }} {{ '{:>4}'.format('x') }} {{ 'ab' | center(6) }}"
+    ).render(context)
+    assert rendered == "1:a! 2:b! 003    x   ab  "
+
+
+def test_a_deeply_nested_template_is_a_validation_issue():
+    for template in [
+        "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}",
+        "{{ " + "(1 + " * 80 + "1" + ")" * 80 + " }}",
+    ]:
+        with pytest.raises(GraphValidationError) as err:
+            bounded(lambda template=template: load_graph_text(graph_with(template), "g.yaml"))
+        (issue,) = err.value.issues
+        assert issue.node == "reply" and issue.line == 6 and "nested too deeply" in issue.message
