@@ -5,6 +5,9 @@ real files, bounded in time."""
 
 from __future__ import annotations
 
+import json
+import re
+import shutil
 import statistics
 import textwrap
 import threading
@@ -16,11 +19,12 @@ import pytest
 from conftest import build_llm
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.engine import LLMEngine
-from trae_groups.engine.errors import RequestError
+from trae_groups.engine.errors import ModelLoadError, RequestError
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.scheduler import Scheduler
 from trae_groups.engine.sequence import Sequence
+from trae_groups.engine.weights import WeightStore
 from trae_groups.graphs.errors import GraphValidationError, TemplateRenderError
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.templates import Condition, GraphTemplate
@@ -224,3 +228,59 @@ def test_a_deeply_nested_template_is_a_validation_issue():
             bounded(lambda template=template: load_graph_text(graph_with(template), "g.yaml"))
         (issue,) = err.value.issues
         assert issue.node == "reply" and issue.line == 6 and "nested too deeply" in issue.message
+
+
+# -- 8. a model folder that lies: refused before allocating, and never with NaN weights ----
+
+
+def _copy_with_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config | changes))
+    return dst
+
+
+def test_a_config_with_thousands_of_layers_over_small_weights_is_refused_up_front(
+    llama_dir, tmp_path, monkeypatch
+):
+    folder = _copy_with_config(llama_dir, tmp_path / "bomb", num_hidden_layers=3000)
+    from transformers import LlamaForCausalLM
+
+    def never(*args, **kwargs):
+        raise AssertionError("weights were being loaded")
+
+    monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", never)
+    with pytest.raises(ModelLoadError, match="3000 layers; the weights hold 21 tensors"):
+        bounded(lambda: WeightStore().load(folder, "generate"), 30)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"hidden_size": 4096}, "model.safetensors: tensor model.embed_tokens.weight has shape"),
+        ({"vocab_size": 10**8}, "tensor model.embed_tokens.weight has shape [512, 64]"),
+    ],
+)
+def test_a_config_that_does_not_match_the_weights_is_refused_before_loading(
+    llama_dir, tmp_path, monkeypatch, changes, message
+):
+    folder = _copy_with_config(llama_dir, tmp_path / "lie", **changes)
+    from transformers import LlamaForCausalLM
+
+    monkeypatch.setattr(LlamaForCausalLM, "from_pretrained", None)  # must not be reached
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        bounded(lambda: WeightStore().load(folder, "generate"), 30)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weights_with_non_finite_values_are_refused(llama_dir, tmp_path, bad):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "nan"
+    shutil.copytree(llama_dir, folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.layers.1.mlp.up_proj.weight"][3, 5] = bad
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError) as err:
+        WeightStore().load(folder, "generate")
+    assert "model.safetensors: tensor model.layers.1.mlp.up_proj.weight holds NaN" in str(err.value)
