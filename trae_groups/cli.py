@@ -53,7 +53,9 @@ def _json_arg(text: str) -> Any:
 
 
 def _print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
+    from trae_groups.http_io import dumps  # strict JSON: NaN and infinities as null
+
+    sys.stdout.write(dumps(data, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------- engine options
@@ -217,9 +219,11 @@ def check_inputs(spec, inputs: Any) -> None:
 
 async def _run_streamed(executor, inputs: dict, outputs) -> int:
     """Each event as one JSON line; the last one is the result or the error."""
+    from trae_groups.http_io import dumps
+
     status = 0
     async for event in executor.stream(inputs, outputs=outputs):
-        sys.stdout.write(json.dumps({"event": event.type, **event.data}, default=str) + "\n")
+        sys.stdout.write(dumps({"event": event.type, **event.data}) + "\n")
         sys.stdout.flush()
         status = 1 if event.type == "error" else status
     return status

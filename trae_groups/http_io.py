@@ -9,6 +9,7 @@ moment the client leaves (the executor then aborts its engine work).
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -121,15 +122,46 @@ class EventStream(Response):
 
 
 class ResultResponse(JSONResponse):
-    """JSON whose values may come from user code (python nodes): sets and tuples
-    become lists, other non-JSON values their ``str()``."""
+    """JSON whose values may come from user code (python nodes): see ``dumps``."""
 
     def render(self, content: Any) -> bytes:
         return dumps(content).encode("utf-8")
 
 
-def dumps(data: Any) -> str:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=_plain)
+def dumps(data: Any, *, indent: int | None = None) -> str:
+    """Strict JSON (RFC 8259) of values that may come from user code: sets and tuples
+    become lists, other non-JSON values their ``str()``, and the floats JSON cannot
+    hold (NaN, Infinity, -Infinity) become ``null``."""
+    try:
+        return _dumps(data, indent)
+    except ValueError:  # a non-finite float somewhere (rare): rewrite, then encode
+        return _dumps(_finite(data), indent)
+
+
+def _dumps(data: Any, indent: int | None) -> str:
+    separators = (",", ":") if indent is None else (",", ": ")
+    return json.dumps(
+        data,
+        ensure_ascii=False,
+        separators=separators,
+        indent=indent,
+        allow_nan=False,
+        default=_plain,
+    )
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {_finite_key(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _finite_key(key: Any) -> Any:
+    return key if not isinstance(key, float) or math.isfinite(key) else str(key)
 
 
 def _plain(value: Any) -> Any:
