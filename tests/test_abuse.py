@@ -17,6 +17,7 @@ import tracemalloc
 import pytest
 
 from conftest import build_llm
+from trae_groups.cli import main
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.errors import ModelLoadError, RequestError
@@ -25,7 +26,9 @@ from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.scheduler import Scheduler
 from trae_groups.engine.sequence import Sequence
 from trae_groups.engine.weights import WeightStore
+from trae_groups.graphs.compile import resolve_functions
 from trae_groups.graphs.errors import GraphValidationError, TemplateRenderError
+from trae_groups.graphs.functions import ENV_VAR
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.templates import Condition, GraphTemplate
 
@@ -284,3 +287,62 @@ def test_weights_with_non_finite_values_are_refused(llama_dir, tmp_path, bad):
     with pytest.raises(ModelLoadError) as err:
         WeightStore().load(folder, "generate")
     assert "model.safetensors: tensor model.layers.1.mlp.up_proj.weight holds NaN" in str(err.value)
+
+
+# -- 11. python nodes cannot name os:system and the like ----------------------------------
+
+
+def python_graph(function: str) -> str:
+    return textwrap.dedent(f"""\
+        name: g
+        inputs: {{text: str}}
+        nodes:
+          run: {{function: "{function}", args: {{command: "{{{{ inputs.text }}}}"}}}}
+        outputs: {{out: run}}
+        """)
+
+
+@pytest.mark.parametrize(
+    "function",
+    ["os:system", "subprocess:run", "builtins:eval", "sys:exit", "shutil:rmtree",
+     "importlib:import_module", "pickle:loads", "socket:create_connection", "ctypes:CDLL",
+     "os.path:join", "graph_functions:__class__"],
+)  # fmt: skip
+def test_dangerous_functions_are_refused_at_validation(function, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    with pytest.raises(GraphValidationError) as err:
+        load_graph_text(python_graph(function), "g.yaml")
+    (issue,) = err.value.issues
+    assert (issue.file, issue.line, issue.node) == ("g.yaml", 4, "run")
+    assert f"'{function}'" in issue.message and "not allowed" in issue.message
+
+
+@pytest.mark.parametrize("function", ["logging:os.system", "json:codecs.open"])
+def test_dangerous_functions_reached_through_another_module_are_refused(function, monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    spec = load_graph_text(python_graph(function), "g.yaml")  # the text looks harmless
+    with pytest.raises(GraphValidationError) as err:
+        resolve_functions(spec)
+    (issue,) = err.value.issues
+    assert issue.line == 4 and "is not allowed in graphs" in issue.message
+
+
+def test_the_operator_allow_list_is_the_only_list_when_set(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "graph_functions, os.path")
+    assert resolve_functions(load_graph_text(python_graph("graph_functions:shout"), "g.yaml"))
+    assert resolve_functions(load_graph_text(python_graph("os.path:join"), "g.yaml"))
+    with pytest.raises(GraphValidationError) as err:
+        load_graph_text(python_graph("json:dumps"), "g.yaml")
+    assert "module 'json' is not in TRAE_ALLOWED_FUNCTIONS" in err.value.issues[0].message
+
+
+def test_trae_validate_reports_the_refused_function_and_takes_the_allow_flag(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.delenv(ENV_VAR, raising=False)  # restored after main() sets it
+    path = tmp_path / "g.yaml"
+    path.write_text(python_graph("subprocess:getoutput"))
+    assert main(["validate", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert f"{path}:4: node 'run': 'subprocess:getoutput': module 'subprocess'" in err
+    assert main(["validate", "--allow-functions", "subprocess", str(path)]) == 0

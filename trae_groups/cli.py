@@ -69,6 +69,16 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-backend", default=None, help="torch, triton, flash_attn")
 
 
+def _function_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow-functions",
+        metavar="PREFIXES",
+        default=None,
+        help="the only modules python nodes may name, comma-separated (sets "
+        "$TRAE_ALLOWED_FUNCTIONS; default: any but the denied ones, see docs/graphs.md)",
+    )
+
+
 def _engine_config(args: argparse.Namespace):
     from trae_groups.engine.config import EngineConfig
 
@@ -476,6 +486,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave the loaded models in the garbage collector's full passes "
         "(by default they are frozen out of them: 100-300 ms pauses otherwise)",
     )
+    _function_options(serve)
     _engine_options(serve)
     serve.set_defaults(run=cmd_serve)
 
@@ -491,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--outputs", help="comma-separated outputs (default: all)")
     run.add_argument("--timeout", type=float, default=None)
     run.add_argument("--stream", action="store_true", help="print events as JSON lines")
+    _function_options(run)
     _engine_options(run)
     run.set_defaults(run=cmd_run)
 
@@ -500,6 +512,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument(
         "--functions", action="store_true", help="also import python nodes' functions"
     )
+    _function_options(validate)
     validate.set_defaults(run=cmd_validate)
 
     show = sub.add_parser("show", help="draw the DAG")
@@ -557,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--input", type=_json_arg, default=None, help="default: sample inputs")
     bench.add_argument("--timeout", type=float, default=120.0)
     bench.add_argument("--json", action="store_true")
+    _function_options(bench)
     _engine_options(bench)
     bench.set_defaults(run=cmd_bench)
     return parser
@@ -574,7 +588,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("error: --clients must be >= 1 and --requests >= 0", file=sys.stderr)
         return 2
     from trae_groups.graphs.errors import GraphValidationError
+    from trae_groups.graphs.functions import ENV_VAR
 
+    if getattr(args, "allow_functions", None) is not None:  # one home: the variable
+        os.environ[ENV_VAR] = args.allow_functions
     try:
         return args.run(args)
     except GraphValidationError as exc:
