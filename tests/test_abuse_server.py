@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import textwrap
 
 import httpx
@@ -73,3 +74,76 @@ def test_non_finite_floats_are_null_in_sse(client):
         events[fields["event"]] = strict_json(fields["data"])  # every event parses strictly
     assert events["result"]["outputs"]["d"] == EXPECTED
     assert events["node_finished"]["node"] == "d"
+
+
+# -- 7. slow clients: unfinished headers or bodies are answered 408 and closed ----------
+
+
+@pytest.fixture(scope="module")
+def strict_server(tmp_path_factory):
+    paths = write_graphs(tmp_path_factory.mktemp("slow"), nan=NAN)
+    config = ServerConfig(header_timeout_s=0.5, body_timeout_s=0.5, max_connections=4)
+    with ServerThread(create_app(paths, config)) as running:
+        yield running
+
+
+def raw(server, data: bytes = b"") -> socket.socket:
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    if data:
+        sock.sendall(data)
+    return sock
+
+
+def answer(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (bounded by the socket timeout)."""
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    sock.close()
+    return b"".join(chunks)
+
+
+def status_and_json(data: bytes) -> tuple[int, dict]:
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [b"", b"POST /v1/graphs/nan HTTP/1.1\r\nHost: x\r\nContent-Ty"],
+    ids=["nothing", "half the headers"],
+)
+def test_unfinished_headers_get_408_and_the_connection_closes(strict_server, sent):
+    status, body = status_and_json(answer(raw(strict_server, sent)))
+    assert status == 408 and body["error"]["type"] == "RequestTimeout"
+    assert "headers did not arrive within 0.5 s" in body["error"]["message"]
+
+
+def test_an_unfinished_body_gets_408_and_the_connection_closes(strict_server):
+    head = b"POST /v1/graphs/nan HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock = raw(strict_server, head + b'Content-Length: 200\r\n\r\n{"inputs": {')
+    status, body = status_and_json(answer(sock))
+    assert status == 408 and "body did not arrive within 0.5 s" in body["error"]["message"]
+
+
+def test_oversized_headers_get_431(strict_server):
+    sock = raw(strict_server, b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    try:
+        for _ in range(80):  # 80 KiB of headers, never finished
+            sock.sendall(b"X-Pad: " + b"a" * 1017 + b"\r\n")
+    except OSError:
+        pass  # the server may close while we still write
+    status, body = status_and_json(answer(sock))
+    assert status == 431 and body["error"]["type"] == "HeadersTooLarge"
+
+
+def test_stalled_connections_are_capped_and_then_dropped(strict_server):
+    stalled = [raw(strict_server, b"GET /health HTTP/1.1\r\n") for _ in range(4)]
+    with httpx.Client(base_url=strict_server.url, timeout=30) as c:
+        assert c.get("/health").status_code == 503  # the cap: no 5th connection
+        for sock in stalled:
+            assert status_and_json(answer(sock))[0] == 408
+        response = c.post("/v1/graphs/nan", json={"inputs": {}})  # served again
+        assert response.status_code == 200 and strict_json(response.text)["outputs"]["d"]
+    with httpx.Client(base_url=strict_server.url, timeout=30) as keep:  # normal keep-alive
+        assert [keep.get("/health").status_code for _ in range(3)] == [200, 200, 200]

@@ -413,6 +413,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         access_log=args.access_log,
         freeze_gc=args.gc_freeze,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        keep_alive_s=args.keep_alive,
+        max_connections=args.max_connections or None,
     )
     return serve(args.graphs, config)
 
@@ -473,6 +477,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=parse_size, default=1 << 20)
     serve.add_argument("--grace", type=float, default=30.0, help="seconds to drain on exit")
     serve.add_argument("--admin-token", default=None, help="default: $TRAE_ADMIN_TOKEN")
+    serve.add_argument(
+        "--header-timeout", type=float, default=10.0, help="seconds for a request's headers"
+    )
+    serve.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds for a body, after its headers"
+    )
+    serve.add_argument(
+        "--keep-alive", type=float, default=5.0, help="seconds an idle connection stays open"
+    )
+    serve.add_argument(
+        "--max-connections", type=int, default=1024, help="503 beyond this many (0: no cap)"
+    )
     serve.add_argument(
         "--no-access-log",
         dest="access_log",

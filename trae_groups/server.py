@@ -41,6 +41,7 @@ from trae_groups.graphs.routing import RouteError, check_split, parse_split, wit
 from trae_groups.graphs.spec import GraphSpec
 from trae_groups.http_errors import HTTPError, bad_request, error_response, not_found
 from trae_groups.http_io import read_json
+from trae_groups.http_protocol import protocol_class
 from trae_groups.metrics import CONTENT_TYPE
 from trae_groups.openapi import openapi_document
 
@@ -329,6 +330,9 @@ def _uvicorn_config(
         access_log=config.access_log,
         timeout_graceful_shutdown=max(1, math.ceil(config.shutdown_grace_s)),
         lifespan="on",
+        http=protocol_class(config.header_timeout_s, config.body_timeout_s),
+        timeout_keep_alive=config.keep_alive_s,
+        limit_concurrency=config.max_connections,
     )
 
 
