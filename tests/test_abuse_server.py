@@ -10,6 +10,8 @@ import textwrap
 import httpx
 import pytest
 
+from conftest import build_encoder
+from trae_groups.engine import EngineConfig
 from trae_groups.server import ServerConfig, ServerThread, create_app
 
 TOKEN = "abuse-admin-token"
@@ -147,3 +149,45 @@ def test_stalled_connections_are_capped_and_then_dropped(strict_server):
         assert response.status_code == 200 and strict_json(response.text)["outputs"]["d"]
     with httpx.Client(base_url=strict_server.url, timeout=30) as keep:  # normal keep-alive
         assert [keep.get("/health").status_code for _ in range(3)] == [200, 200, 200]
+
+
+# -- 12. admin inputs: version names follow the graph file's rule; paths are text -------
+
+
+@pytest.fixture(scope="module")
+def admin_server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("admin")
+    build_encoder(root / "intent", "classify", ["greet", "order"])
+    graph = f"""
+        name: routed
+        models:
+          clf: {{versions: {{v1: {root / "intent"}}}, task: classify}}
+        inputs: {{text: str}}
+        nodes:
+          c: {{model: clf, input: "{{{{ inputs.text }}}}"}}
+        outputs: {{label: c.label}}
+        """
+    config = ServerConfig(admin_token=TOKEN, engine=EngineConfig(pool_bytes=8 << 20))
+    with ServerThread(create_app(write_graphs(root, routed=graph), config)) as running:
+        running.model_dir = root / "intent"
+        yield running
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"version": "v3", "path": "/tmp/intent\u0000/x"}, "path"),
+        ({"version": "a:1%,b", "path": "MODEL"}, "version"),
+        ({"version": "../x", "path": "MODEL"}, "version"),
+        ({"version": "v 3", "path": "MODEL"}, "version"),
+    ],
+)
+def test_bad_upload_names_and_paths_are_422_and_change_nothing(admin_server, body, field):
+    body = {**body, "path": body["path"].replace("MODEL", str(admin_server.model_dir))}
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    url = "/admin/graphs/routed/models/clf"
+    with httpx.Client(base_url=admin_server.url, timeout=60, headers=auth) as c:
+        response = c.post(f"{url}/versions", json=body)
+        assert response.status_code == 422, response.text
+        assert response.json()["error"]["field"] == field
+        assert c.get(f"{url}/route").json()["route"] == {"v1": 100.0}

@@ -38,7 +38,7 @@ from trae_groups import graph_api, openai_api
 from trae_groups.app_state import AppState, ServerConfig
 from trae_groups.graphs.loader import load_graph
 from trae_groups.graphs.routing import RouteError, check_split, parse_split, with_weight
-from trae_groups.graphs.spec import GraphSpec
+from trae_groups.graphs.spec import GraphSpec, _slug
 from trae_groups.http_errors import HTTPError, bad_request, error_response, not_found
 from trae_groups.http_io import read_json
 from trae_groups.http_protocol import protocol_class
@@ -165,6 +165,7 @@ async def model_versions(request: Request) -> Response:
                 raise bad_request('send {"version": "v3", "path": "/folder"}', "version")
             if not isinstance(path, str) or not path:
                 raise bad_request('send {"version": "v3", "path": "/folder"}', "path")
+            _check_upload(version, path)
             await anyio.to_thread.run_sync(
                 state.runtime.add_version, served.name, model, version, path
             )
@@ -180,6 +181,17 @@ async def model_versions(request: Request) -> Response:
         {"graph": served.name, "model": model, "versions": sorted(versioned.clients),
          "route": versioned.router.weights}
     )  # fmt: skip
+
+
+def _check_upload(version: str, path: str) -> None:
+    """A version is named as in the graph file (the same slug rule); a path is text a
+    file system can take."""
+    try:
+        _slug(version)
+    except ValueError as exc:
+        raise HTTPError(422, f"version: {exc}", field="version") from None
+    if "\x00" in path:
+        raise HTTPError(422, "path: contains a NUL character", field="path")
 
 
 async def openapi(request: Request) -> Response:
