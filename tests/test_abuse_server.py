@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import socket
 import textwrap
+import threading
+import time
 
 import httpx
 import pytest
@@ -191,3 +193,56 @@ def test_bad_upload_names_and_paths_are_422_and_change_nothing(admin_server, bod
         assert response.status_code == 422, response.text
         assert response.json()["error"]["field"] == field
         assert c.get(f"{url}/route").json()["route"] == {"v1": 100.0}
+
+
+# -- 13. shutdown: requests still running when the grace ends answer 503 at once ------
+
+SLOW = """
+name: slow
+inputs: {seconds: float}
+nodes:
+  wait: {function: "graph_functions:slow_async", args: {seconds: "{{ inputs.seconds }}"}}
+outputs: {done: wait}
+"""
+
+
+def test_requests_running_past_the_grace_get_503_json_and_an_sse_error(tmp_path):
+    grace = 1.0
+    config = ServerConfig(shutdown_grace_s=grace, retry_after_s=7)
+    running = ServerThread(create_app(write_graphs(tmp_path, slow=SLOW), config)).start()
+    answers: dict = {}
+
+    def call(kind: str) -> None:
+        body = {"inputs": {"seconds": 120}, "stream": kind == "sse"}
+        with httpx.Client(base_url=running.url, timeout=60) as c:
+            response = c.post("/v1/graphs/slow", json=body)
+        answers[kind] = (response, time.monotonic())
+
+    callers = [threading.Thread(target=call, args=(kind,)) for kind in ("json", "sse")]
+    for t in callers:
+        t.start()
+    for _ in range(3000):  # both admitted (bounded wait)
+        if running.state.inflight == 2:
+            break
+        time.sleep(0.01)
+    assert running.state.inflight == 2
+    stopped_at = time.monotonic()
+    running.stop()
+    for t in callers:
+        t.join(60)
+    response, at = answers["json"]
+    assert response.status_code == 503 and response.headers["retry-after"] == "7"
+    assert response.json()["error"]["type"] == "ShuttingDown"
+    assert at - stopped_at >= 0.9 * grace  # they had their grace first
+    stream, _ = answers["sse"]
+    assert stream.status_code == 200
+    events = [
+        (fields["event"], strict_json(fields["data"]))
+        for fields in (
+            dict(line.split(": ", 1) for line in block.splitlines())
+            for block in stream.text.strip().split("\n\n")
+        )
+    ]
+    assert events[-2][0] == "error" and events[-2][1]["status"] == 503
+    assert events[-2][1]["error"]["type"] == "ShuttingDown" and events[-1][0] == "done"
+    assert not running.thread.is_alive()

@@ -106,6 +106,11 @@ def unavailable(message: str, retry_after: int, type: str = "ServiceUnavailable"
     return HTTPError(503, message, type=type, headers={"Retry-After": str(retry_after)})
 
 
+def is_openai_path(path: str) -> bool:
+    """Routes whose errors take OpenAI's shape (``param``, ``code``)."""
+    return path.startswith("/v1/") and not path.startswith("/v1/graphs")
+
+
 def status_of(exc: BaseException) -> int:
     """The HTTP status for an error (first matching rule of the table above)."""
     if isinstance(exc, HTTPError):

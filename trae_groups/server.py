@@ -39,8 +39,14 @@ from trae_groups.app_state import AppState, ServerConfig
 from trae_groups.graphs.loader import load_graph
 from trae_groups.graphs.routing import RouteError, check_split, parse_split, with_weight
 from trae_groups.graphs.spec import GraphSpec, _slug
-from trae_groups.http_errors import HTTPError, bad_request, error_response, not_found
-from trae_groups.http_io import read_json
+from trae_groups.http_errors import (
+    HTTPError,
+    bad_request,
+    error_response,
+    is_openai_path,
+    not_found,
+)
+from trae_groups.http_io import end_with_grace, read_json
 from trae_groups.http_protocol import protocol_class
 from trae_groups.metrics import CONTENT_TYPE
 from trae_groups.openapi import openapi_document
@@ -216,6 +222,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        app.state.grace_over = asyncio.Event()  # set when shutdown's grace runs out
         loading = asyncio.get_running_loop().create_task(_load(state))
         try:
             yield
@@ -265,9 +272,12 @@ async def _load(state: AppState) -> None:
 def _guarded(route: Route) -> Route:
     """Every error a handler raises becomes the one error body (http_errors)."""
     endpoint = route.endpoint
-    openai = route.path.startswith("/v1/") and "graphs" not in route.path
+    openai = is_openai_path(route.path)
 
     async def guarded(request: Request) -> Response:
+        grace_over = getattr(request.app.state, "grace_over", None)
+        if grace_over is not None:  # this request's task: its work ends with the grace
+            end_with_grace(grace_over, request.app.state.trae.config.retry_after_s)
         try:
             return await endpoint(request)
         except Exception as exc:
@@ -283,10 +293,14 @@ async def _handle(request: Request, exc: Exception) -> Response:
 # ---------------------------------------------------------------- running it
 
 
+_ANSWER_S = 5.0  # after the grace: time for cancelled requests to write their 503
+
+
 class TraeServer(uvicorn.Server):
     """uvicorn with a draining shutdown: the first SIGTERM/SIGINT (or ``stop()``) makes
-    new requests 503 and waits up to the grace period for in-flight ones; then the
-    sockets close and the engine stops. A second signal exits at once."""
+    new requests 503 and waits up to the grace period for in-flight ones; those still
+    running then have their work cancelled and answer 503 (JSON, or an SSE error
+    event); then the sockets close and the engine stops. A second signal exits at once."""
 
     def __init__(self, config: uvicorn.Config, state: AppState):
         super().__init__(config)
@@ -320,7 +334,13 @@ class TraeServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         if not await self.state.wait_idle(self.state.config.shutdown_grace_s):
-            log.warning("grace period over with %d request(s) in flight", self.state.inflight)
+            log.warning(
+                "grace period over: answering 503 to %d request(s) in flight", self.state.inflight
+            )
+            grace_over = getattr(self.config.app.state, "grace_over", None)
+            if grace_over is not None:
+                grace_over.set()  # their work is cancelled; each answers 503 (or an SSE error)
+                await self.state.wait_idle(_ANSWER_S)
         self.should_exit = True
 
     def stop(self) -> None:
