@@ -17,6 +17,7 @@ number a number. Any other template renders to a string.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from functools import lru_cache
 from typing import Any
 
 from jinja2 import Undefined, meta, nodes
-from jinja2.environment import TemplateExpression
+from jinja2.environment import Template, TemplateExpression
 from jinja2.exceptions import TemplateSyntaxError
 from jinja2.parser import Parser
 from pydantic import BaseModel
@@ -94,8 +95,23 @@ def analyze(source: str, *, expression: bool = False) -> TemplateInfo:
         return TemplateInfo((), (TemplateProblem(_TOO_DEEP, None),))
     if depth(ast) > MAX_DEPTH:
         return TemplateInfo((), (TemplateProblem(_TOO_DEEP, None),))
+    unknown = tuple(_unknown_names(ast))
+    if unknown:  # Jinja's own analysis stops at the first with an exception
+        return TemplateInfo((), unknown)
     free = meta.find_undeclared_variables(ast) - set(ENV.globals)
     return TemplateInfo(tuple(_references(ast, free)), tuple(_forbidden(ast)))
+
+
+def _unknown_names(ast: nodes.Template) -> Iterator[TemplateProblem]:
+    """Filters and tests the environment does not have (a compile error otherwise)."""
+    for node in ast.find_all((nodes.Filter, nodes.Test)):
+        known, kind = (
+            (ENV.filters, "filter") if isinstance(node, nodes.Filter) else (ENV.tests, "test")
+        )
+        if node.name not in known:
+            hint = difflib.get_close_matches(node.name, [n for n in known if ":" not in n], 1)
+            did_you_mean = f" (did you mean '{hint[0]}'?)" if hint else ""
+            yield TemplateProblem(f"unknown {kind} '{node.name}'{did_you_mean}", node.lineno)
 
 
 def _forbidden(ast: nodes.Template) -> Iterator[TemplateProblem]:
@@ -175,9 +191,9 @@ class GraphTemplate:
     def __init__(self, source: str):
         self.source = source
         ast = bound(_checked(source, expression=False), ENV)
-        self._template = ENV.from_string(ast)
+        self._template = _compile(source, ast)
         expression = _single_expression(source, ast)
-        self._expression = None if expression is None else _compile_expression(expression)
+        self._expression = None if expression is None else _compile_expression(source, expression)
 
     def render(self, context: Mapping[str, Any]) -> Any:
         try:
@@ -196,7 +212,7 @@ class Condition:
     def __init__(self, source: str):
         self.source = source
         ast = bound(_checked(source, expression=True), ENV)
-        self._expression = _compile_expression(ast.body[0].nodes[0])
+        self._expression = _compile_expression(source, ast.body[0].nodes[0])
 
     def evaluate(self, context: Mapping[str, Any]) -> bool:
         try:
@@ -217,7 +233,7 @@ def _checked(source: str, *, expression: bool) -> nodes.Template:
         raise TemplateRenderError(f"template {_clip(source)}: {_TOO_DEEP}") from None
     if depth(ast) > MAX_DEPTH:
         raise TemplateRenderError(f"template {_clip(source)}: {_TOO_DEEP}")
-    for problem in _forbidden(ast):
+    for problem in (*_forbidden(ast), *_unknown_names(ast)):
         raise TemplateRenderError(f"template {_clip(source)}: {problem.message}")
     return ast
 
@@ -236,12 +252,19 @@ def _single_expression(source: str, ast: nodes.Template) -> nodes.Expr | None:
     return parts[0]
 
 
-def _compile_expression(expression: nodes.Expr) -> TemplateExpression:
+def _compile(source: str, ast: nodes.Template) -> Template:
+    try:
+        return ENV.from_string(ast)
+    except TemplateSyntaxError as exc:  # what only the compiler sees
+        raise TemplateRenderError(f"template {_clip(source)}: {exc.message}") from exc
+
+
+def _compile_expression(source: str, expression: nodes.Expr) -> TemplateExpression:
     """Jinja's compile_expression, from an AST already checked and bounded."""
     target = nodes.Name("result", "store", lineno=1)
     root = nodes.Template([nodes.Assign(target, expression, lineno=1)], lineno=1)
     root.set_environment(ENV)
-    return TemplateExpression(ENV.from_string(root), undefined_to_none=False)
+    return TemplateExpression(_compile(source, root), undefined_to_none=False)
 
 
 def _defined(value: Any) -> Any:
