@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from conftest import build_encoder
+from trae_groups.cli import main
 from trae_groups.engine import EngineConfig
 from trae_groups.server import ServerConfig, ServerThread, create_app
 
@@ -246,3 +247,64 @@ def test_requests_running_past_the_grace_get_503_json_and_an_sse_error(tmp_path)
     assert events[-2][0] == "error" and events[-2][1]["status"] == 503
     assert events[-2][1]["error"]["type"] == "ShuttingDown" and events[-1][0] == "done"
     assert not running.thread.is_alive()
+
+
+# -- 14. the CLI: one clear line, not a traceback; the port is checked first --------------
+
+MISSING_MODEL = """
+name: g
+models:
+  clf: {source: "${MODEL_ROOT}/intent", task: classify}
+inputs: {text: str}
+nodes:
+  c: {model: clf, input: "{{ inputs.text }}"}
+outputs: {label: c.label}
+"""
+
+
+def test_trae_run_with_a_missing_model_folder_prints_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MODEL_ROOT", str(tmp_path / "nowhere"))
+    (path,) = write_graphs(tmp_path, g=MISSING_MODEL)
+    assert main(["run", str(path), "--input", '{"text": "hi"}']) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = strict_json(err.strip().splitlines()[-1])
+    assert (
+        line["error"]["type"] == "ModelLoadError"
+        and "no such model folder" in line["error"]["message"]
+    )
+
+
+def test_an_unknown_filter_is_a_validation_issue_not_a_traceback(tmp_path, capsys):
+    (path,) = write_graphs(
+        tmp_path,
+        t="""
+        name: t
+        inputs: {text: str}
+        nodes:
+          s: {function: "graph_functions:shout", args: {text: "{{ inputs.text | uper }}"}}
+        outputs: {o: s}
+        """,
+    )
+    for command in (["validate", str(path)], ["run", str(path), "--input", '{"text": "a"}']):
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        assert f"{path}:5: node 's': unknown filter 'uper' (did you mean 'upper'?)" in err
+
+
+def test_validate_names_an_unset_variable_in_a_model_path(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MODEL_ROOT", raising=False)
+    (path,) = write_graphs(tmp_path, g=MISSING_MODEL)
+    assert main(["validate", str(path)]) == 1
+    assert "needs MODEL_ROOT, which is not set" in capsys.readouterr().err
+
+
+def test_serve_checks_the_port_before_loading_any_model(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("MODEL_ROOT", str(tmp_path / "nowhere"))  # loading it would fail
+    (path,) = write_graphs(tmp_path, g=MISSING_MODEL)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["serve", str(path), "--port", str(port), "--grace", "1"]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in caplog.text
+    assert "models did not load" not in caplog.text and "no such model folder" not in caplog.text

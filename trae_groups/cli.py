@@ -148,11 +148,19 @@ def _missing_models(spec) -> list:
     for name, model in spec.models.items():
         for version in model.sources:
             folder = spec.model_path(name, version)
-            if not (folder / "config.json").is_file():
-                where = ("models", name, "source" if model.source else "versions")
+            where = ("models", name, "source" if model.source else "versions")
+            unset = _UNSET_VAR.findall(str(folder))
+            if unset:  # expandvars leaves an unset variable as it is
+                names = ", ".join(sorted({a or b for a, b in unset}))
+                message = f"model '{name}': its folder {folder} needs {names}, which is not set"
+                issues.append(source.issue(where, message))
+            elif not (folder / "config.json").is_file():
                 message = f"model '{name}': no model at {folder} (no config.json)"
                 issues.append(source.issue(where, message))
     return issues
+
+
+_UNSET_VAR = re.compile(r"\$\{(\w+)\}|\$(\w+)")
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -184,6 +192,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from trae_groups.engine.errors import ModelLoadError
     from trae_groups.graph_api import result_body
     from trae_groups.graphs.errors import GraphError
     from trae_groups.graphs.loader import load_graph
@@ -194,7 +203,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _print_error(error_body(exc))
         return 1
-    runtime, (executor,) = _load_runtime([args.graph], _engine_config(args))
+    try:  # a missing or broken model folder: one line, not a traceback
+        runtime, (executor,) = _load_runtime([args.graph], _engine_config(args))
+    except (ModelLoadError, GraphError, ValueError) as exc:
+        _print_error(error_body(exc))
+        return 1
     outputs = args.outputs.split(",") if args.outputs else None
     runtime.start()
     try:
@@ -603,6 +616,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "clients", 1) < 1 or getattr(args, "requests", 1) < 0:
         print("error: --clients must be >= 1 and --requests >= 0", file=sys.stderr)
         return 2
+    from trae_groups.engine.errors import ModelLoadError
     from trae_groups.graphs.errors import GraphValidationError
     from trae_groups.graphs.functions import ENV_VAR
 
@@ -613,7 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except GraphValidationError as exc:
         print(exc, file=sys.stderr)
         return 1
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -368,14 +368,34 @@ def _uvicorn_config(
     )
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now (OSError if the address is taken), so a taken
+    port fails before any model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve(graphs: Sequence[GraphSpec | str | Path], config: ServerConfig | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; the exit status (1 when the models failed to load)."""
+    """Serve until SIGTERM/SIGINT; the exit status: 1 when the port cannot be bound
+    (checked before any model loads) or the models failed to load."""
     config = config or ServerConfig()
-    app = create_app(graphs, config)
+    app = create_app(graphs, config)  # validates the graphs; models load once serving
+    try:
+        sock = listen_socket(config.host, config.port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%s: %s", config.host, config.port, exc.strerror or exc)
+        return 1
     state: AppState = app.state.trae
     server = TraeServer(_uvicorn_config(app, config), state)
     state.on_load_failed = server.stop
-    server.run()
+    server.run(sockets=[sock])
     return 1 if state.load_error else 0
 
 
@@ -385,9 +405,7 @@ class ServerThread:
     def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0):
         self.app = app
         self.state: AppState = app.state.trae
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
+        self._socket = listen_socket(host, port)
         self.host, self.port = self._socket.getsockname()[:2]
         config = _uvicorn_config(app, self.state.config, log_level="warning")
         self.server = TraeServer(config, self.state)
