@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from conftest import build_encoder
+from conftest import build_encoder, build_llm
 from trae_groups.cli import main
 from trae_groups.engine import EngineConfig
 from trae_groups.server import ServerConfig, ServerThread, create_app
@@ -308,3 +308,29 @@ def test_serve_checks_the_port_before_loading_any_model(tmp_path, monkeypatch, c
         assert main(["serve", str(path), "--port", str(port), "--grace", "1"]) == 1
     assert f"cannot listen on 127.0.0.1:{port}" in caplog.text
     assert "models did not load" not in caplog.text and "no such model folder" not in caplog.text
+
+
+# -- 1. max_prompt_tokens: the engine's refusal is a 422 naming the prompt ---------------
+
+
+def test_a_prompt_over_max_prompt_tokens_is_a_422(tmp_path):
+    build_llm(tmp_path / "dialog")
+    graph = f"""
+        name: chat
+        models:
+          dialog: {{source: {tmp_path / "dialog"}, task: generate}}
+        inputs: {{text: str}}
+        nodes:
+          reply: {{model: dialog, prompt: "{{{{ inputs.text }}}}", params: {{max_tokens: 2}}}}
+        outputs: {{reply: reply.text}}
+        """
+    engine = EngineConfig(pool_bytes=8 << 20, max_prompt_tokens=8)
+    app = create_app(write_graphs(tmp_path, chat=graph), ServerConfig(engine=engine))
+    with ServerThread(app) as running, httpx.Client(base_url=running.url, timeout=60) as c:
+        assert c.post("/v1/graphs/chat", json={"inputs": {"text": "hello"}}).status_code == 200
+        long = {"inputs": {"text": "the quick brown fox jumps over the lazy dog " * 4}}
+        response = c.post("/v1/graphs/chat", json=long)
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert error["node"] == "reply" and error["field"] == "prompt"
+    assert "max_prompt_tokens" in error["message"]
