@@ -415,22 +415,26 @@ def cmd_health(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from trae_groups.server import ServerConfig, serve
 
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        engine=_engine_config(args),
-        max_inflight=args.max_inflight,
-        max_body_bytes=args.max_body_bytes,
-        shutdown_grace_s=args.grace,
-        admin_token=args.admin_token,
-        log_level=args.log_level,
-        access_log=args.access_log,
-        freeze_gc=args.gc_freeze,
-        header_timeout_s=args.header_timeout,
-        body_timeout_s=args.body_timeout,
-        keep_alive_s=args.keep_alive,
-        max_connections=args.max_connections or None,
-    )
+    try:  # a flag's value out of range is a usage error, not a traceback
+        config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            engine=_engine_config(args),
+            max_inflight=args.max_inflight,
+            max_body_bytes=args.max_body_bytes,
+            shutdown_grace_s=args.grace,
+            admin_token=args.admin_token,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            freeze_gc=args.gc_freeze,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            keep_alive_s=args.keep_alive,
+            max_connections=args.max_connections or None,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return serve(args.graphs, config)
 
 
