@@ -339,7 +339,7 @@ def test_the_operator_allow_list_is_the_only_list_when_set(monkeypatch):
 def test_trae_validate_reports_the_refused_function_and_takes_the_allow_flag(
     tmp_path, monkeypatch, capsys
 ):
-    monkeypatch.delenv(ENV_VAR, raising=False)  # restored after main() sets it
+    monkeypatch.setenv(ENV_VAR, "")  # blank: unset; restored after main() sets it
     path = tmp_path / "g.yaml"
     path.write_text(python_graph("subprocess:getoutput"))
     assert main(["validate", str(path)]) == 1
