@@ -142,7 +142,16 @@ def test_oversized_headers_get_431(strict_server):
     assert status == 431 and body["error"]["type"] == "HeadersTooLarge"
 
 
-def test_stalled_connections_are_capped_and_then_dropped(strict_server):
+def test_stalled_connections_are_capped_and_then_dropped(tmp_path):
+    config = ServerConfig(header_timeout_s=3, max_connections=4)  # 3 s: room on a busy box
+    server = ServerThread(create_app(write_graphs(tmp_path, nan=NAN), config)).start()
+    try:
+        stalled_then_served(server)
+    finally:
+        server.stop()
+
+
+def stalled_then_served(strict_server) -> None:
     stalled = [raw(strict_server, b"GET /health HTTP/1.1\r\n") for _ in range(4)]
     with httpx.Client(base_url=strict_server.url, timeout=30) as c:
         assert c.get("/health").status_code == 503  # the cap: no 5th connection
