@@ -102,10 +102,10 @@ def test_a_short_request_is_served_while_a_long_prompt_prefills(long_llm):
     alone, beside, longs = [], [], []
     with LLMEngine({"m": long_llm}, config) as eng:
         worker = eng.llms["m"]
-        for _ in range(3):
+        for offset in range(3):  # alone and beside in turn: both meet the same load
             alone.append(_timed(eng, short, 8))
             assert alone[-1]["done"].wait(60)
-        for offset in range(3):  # a new long prompt each time: no prefix-cache hits
+            # a new long prompt each time: no prefix-cache hits
             long = _timed(eng, list(range(3 + offset, 403 + offset)) * 5, 1)  # 2,000 tokens
             for _ in range(2000):  # the long prompt is under way (63 steps of 32 alone)
                 if any(s.num_computed for s in list(worker.scheduler.running)):
