@@ -122,8 +122,9 @@ def test_a_short_request_is_served_while_a_long_prompt_prefills(long_llm):
     # in engine steps (exact, whatever the machine's load): admitted at once, decoded
     # alongside; before the fix it waited for the whole prefill, ~60 steps
     assert median(beside, "steps") <= median(alone, "steps") + 2
-    # in time: a small multiple of alone, and a fraction of the long prefill's time
-    assert median(beside, "latency") < 5 * median(alone, "latency")
+    # in time: a small multiple of alone (measured 1.7x idle, up to 3.8x on a loaded
+    # 2-core box; before the fix 13-28x), and a fraction of the long prefill's time
+    assert median(beside, "latency") < 10 * median(alone, "latency")
     assert median(beside, "latency") < median(longs, "latency") / 3
 
 
