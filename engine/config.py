@@ -24,6 +24,10 @@ class EngineConfig:
     tokens_per_page: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # while other requests wait, one prompt chunk takes at most this many tokens of a
+    # step, so a long prompt never keeps them out; None: max_num_batched_tokens // 4
+    long_prefill_token_threshold: int | None = None
+    max_prompt_tokens: int | None = None  # longer prompts are refused; None: max_model_len - 1
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_cache: bool = True
     fast_linear: bool = True  # oneDNN pre-packed linears on CPU, when available
@@ -41,10 +45,20 @@ class EngineConfig:
         for name in ("tokens_per_page", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
+        for name in ("long_prefill_token_threshold", "max_prompt_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1 (or None)")
         if self.scheduling not in ("graph", "fifo"):
             raise ValueError(f"scheduling: must be 'graph' or 'fifo', got {self.scheduling!r}")
         if self.page_bytes is not None and (self.page_bytes < 64 or self.page_bytes % 64):
             raise ValueError("page_bytes: must be a positive multiple of 64")
+
+    @property
+    def long_prefill_tokens(self) -> int:
+        """The chunk cap the scheduler applies while others wait."""
+        if self.long_prefill_token_threshold is not None:
+            return self.long_prefill_token_threshold
+        return max(1, self.max_num_batched_tokens // 4)
 
     @property
     def torch_dtype(self) -> torch.dtype:

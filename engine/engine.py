@@ -107,9 +107,11 @@ class LLMEngine:
         tokenizer=None,
         cache_key=None,
         max_num_seqs: int | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> LLMWorker:
         """Load a causal LM (or take one already loaded with our attention) onto the
-        engine; ``max_num_seqs`` overrides the engine's for this model."""
+        engine; ``max_num_seqs`` and ``max_prompt_tokens`` override the engine's for
+        this model."""
         if name in self.loop.workers:
             raise ValueError(f"a model named {name!r} is already on this engine")
         if model is None:
@@ -124,6 +126,8 @@ class LLMEngine:
         config = self.config
         if max_num_seqs is not None:
             config = dataclasses.replace(config, max_num_seqs=max_num_seqs)
+        if max_prompt_tokens is not None:
+            config = dataclasses.replace(config, max_prompt_tokens=max_prompt_tokens)
         worker = LLMWorker(
             name,
             model,

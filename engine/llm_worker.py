@@ -67,6 +67,9 @@ class LLMWorker(Worker):
         text_config = model.config.get_text_config()
         model_len = getattr(text_config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.max_prompt_tokens = min(
+            config.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1
+        )
         self.scheduler = Scheduler(
             pool,
             owner=name,
@@ -76,6 +79,7 @@ class LLMWorker(Worker):
             cache_key=(cache_key or name) if config.enable_prefix_cache else None,
             policy=config.scheduling,
             zero_pages=backend.needs_zeroed_pages,
+            long_prefill_tokens=config.long_prefill_tokens,
         )
         self.sampler = Sampler()
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -132,6 +136,12 @@ class LLMWorker(Worker):
                 "prompt",
                 f"has {len(tokens)} tokens; model {self.name!r} takes at most "
                 f"{self.max_model_len - 1} so that one can be generated",
+            )
+        if len(tokens) > self.max_prompt_tokens:
+            raise RequestError(
+                "prompt",
+                f"has {len(tokens)} tokens; model {self.name!r} takes at most "
+                f"{self.max_prompt_tokens} (max_prompt_tokens)",
             )
         pages = self.scheduler.pages_needed(len(tokens) + 1)
         if pages > self.pool.num_pages:

@@ -1,11 +1,14 @@
 """Continuous batching: which sequences run this step, and how many tokens each.
 
-Every step: running sequences first (oldest admission first, so decodes never stall
-behind a long prompt), then waiting ones by priority (deeper in their DAG, then older)
-while the token budget and ``max_num_seqs`` allow. Long prompts are split across
-steps (chunked prefill). Out of pages, the most recently admitted sequence is
-preempted: its pages go back (full ones stay in the prefix cache) and it is recomputed
-later from its tokens, so its output does not change.
+Every step: running sequences first (oldest admission first; budget is kept for
+every running decode, so decodes never stall behind a long prompt), then waiting ones
+by priority (deeper in their DAG, then older) while the token budget and
+``max_num_seqs`` allow. Long prompts are split across steps (chunked prefill); while
+others wait, a prompt chunk takes at most ``long_prefill_tokens`` so that the waiting
+ones are admitted in the same step, and whatever budget admission leaves goes back to
+those capped chunks. Out of pages, the most recently admitted sequence is preempted:
+its pages go back (full ones stay in the prefix cache) and it is recomputed later from
+its tokens, so its output does not change.
 """
 
 from __future__ import annotations
@@ -56,8 +59,10 @@ class Scheduler:
         cache_key: Hashable | None,
         policy: str = "graph",
         zero_pages: bool = True,
+        long_prefill_tokens: int | None = None,  # None: a chunk may take the whole budget
     ):
         self.policy = policy
+        self.long_prefill_tokens = long_prefill_tokens
         self.zero_pages = zero_pages  # what the attention backend needs of new pages
         self.pool = pool
         self.owner = owner
@@ -88,16 +93,24 @@ class Scheduler:
     # -- the step --------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        capped: list[ScheduledSeq] = []  # prompt chunks cut short to let others in
         budget = self.max_num_batched_tokens
+        decodes_left = sum(1 for s in self.running if s.is_decode)
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_uncomputed, budget)
+            if seq.is_decode:
+                decodes_left -= 1
+                num_new = 1
+            else:  # a prompt chunk leaves room for the decodes behind it
+                num_new = self._chunk(seq, budget - decodes_left, bool(self.waiting))
+                if num_new == 0:
+                    continue
             if not self._reserve_or_preempt(seq, num_new, out):
                 continue
-            self._add_to(out, seq, num_new)
+            self._add_to(out, seq, num_new, capped)
             budget -= num_new
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if out.preempted:  # memory is tight: let the running ones finish first
@@ -105,7 +118,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_computed == 0:
                 self._match_prefix(seq)
-            num_new = min(seq.num_uncomputed, budget)
+            num_new = self._chunk(seq, budget, len(self.waiting) > 1)
             if not self._reserve(seq, seq.num_computed + num_new):
                 self._release(seq)  # don't sit on prefix pages while waiting
                 break
@@ -114,13 +127,38 @@ class Scheduler:
             self._admissions += 1
             seq.admitted_seq = self._admissions
             self.running.append(seq)
-            self._add_to(out, seq, num_new)
+            self._add_to(out, seq, num_new, capped)
             budget -= num_new
+        self._top_up(out, capped, budget)
         return out
 
-    def _add_to(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+    def _chunk(self, seq: Sequence, budget: int, others_wait: bool) -> int:
+        num_new = min(seq.num_uncomputed, max(budget, 0))
+        if others_wait and self.long_prefill_tokens is not None:
+            num_new = min(num_new, self.long_prefill_tokens)
+        return num_new
+
+    def _top_up(self, out: SchedulerOutput, capped: list[ScheduledSeq], budget: int) -> None:
+        """Budget that admission left goes back to the prompt chunks capped for it."""
+        for item in capped:
+            seq = item.seq
+            extra = min(seq.num_uncomputed - item.num_new, budget)
+            if extra <= 0 or not self._reserve(seq, seq.num_computed + item.num_new + extra):
+                continue
+            if item.num_new == 1:  # a one-token chunk sat with the decodes
+                out.decodes.remove(item)
+                out.prefills.append(item)
+            item.num_new += extra
+            item.samples = seq.num_computed + item.num_new == seq.num_tokens
+            budget -= extra
+
+    def _add_to(
+        self, out: SchedulerOutput, seq: Sequence, num_new: int, capped: list[ScheduledSeq]
+    ) -> None:
         item = ScheduledSeq(seq, num_new, seq.num_computed + num_new == seq.num_tokens)
         (out.decodes if num_new == 1 else out.prefills).append(item)
+        if num_new < seq.num_uncomputed:
+            capped.append(item)
 
     def _reserve_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         while not self._reserve(seq, seq.num_computed + num_new):

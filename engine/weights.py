@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -461,13 +462,82 @@ def _weight_files(path: Path) -> list[Path]:
     raise ModelLoadError(str(path), "no safetensors weights (model.safetensors)")
 
 
-def _check_safetensors(path: Path) -> None:
+def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor in the folder's safetensors files: name -> (shape, file name).
+    Reads the headers only."""
+    header: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in _weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
-                f.keys()
+                for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    header[key] = (tuple(f.get_slice(key).get_shape()), file.name)
         except Exception as exc:
             raise ModelLoadError(str(path), f"corrupt safetensors file {file.name}: {exc}") from exc
+    return header
+
+
+def _header_key(name: str, header: dict, prefix: str) -> str | None:
+    """The file's name for a model tensor (the base-model prefix may differ)."""
+    for key in (name, name.removeprefix(prefix + "."), f"{prefix}.{name}"):
+        if key in header:
+            return key
+    return None
+
+
+def _check_config_fits(path: Path, cls: Any, config: Any, header: dict) -> None:
+    """Build the model config.json describes on the meta device (no memory) and
+    compare it with the file's header, so a config that asks for far more than the
+    weights hold is refused before anything is allocated."""
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+    if isinstance(layers, int) and layers > len(header):  # every layer has a tensor
+        raise ModelLoadError(
+            str(path), f"config.json says {layers} layers; the weights hold {len(header)} tensors"
+        )
+    try:
+        with torch.device("meta"):
+            meta = cls.from_config(config)
+    except Exception as exc:
+        raise ModelLoadError(str(path), f"config.json does not describe a model: {exc}") from exc
+    prefix = getattr(meta, "base_model_prefix", "") or ""
+    wanted = 0
+    for name, p in meta.named_parameters():  # a tied tensor once
+        wanted += p.numel()
+        key = _header_key(name, header, prefix)
+        if key is not None and header[key][0] != tuple(p.shape):
+            shape, file = header[key]
+            raise ModelLoadError(
+                str(path),
+                f"{file}: tensor {key} has shape {list(shape)}; config.json makes it "
+                f"{list(p.shape)}",
+            )
+    held = sum(math.prod(shape) for shape, _ in header.values())
+    if wanted > 2 * held + (1 << 20):  # room for tied copies and a missing pooler
+        raise ModelLoadError(
+            str(path),
+            f"config.json describes {wanted:,} parameters; the weights hold {held:,}",
+        )
+
+
+def _check_finite(path: Path, model: nn.Module, header: dict) -> None:
+    """A NaN or infinity in the weights would poison every output: refuse it."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point() and not _all_finite(t):
+            key = _header_key(name, header, prefix)
+            where = f"{header[key][1]}: tensor {key}" if key else f"tensor {name}"
+            raise ModelLoadError(str(path), f"{where} holds NaN or infinite values")
+
+
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 16) -> bool:
+    """A sum carries any NaN or infinity through and allocates nothing the size of the
+    tensor (weights stay zero-copy); only when it is not finite (or overflowed, as an
+    fp16 sum can) are the values checked, in small chunks."""
+    if bool(torch.isfinite(t.detach().sum())):
+        return True
+    flat = t.detach().reshape(-1)
+    return all(
+        bool(torch.isfinite(flat[i : i + chunk]).all()) for i in range(0, flat.numel(), chunk)
+    )
 
 
 def _read_config(path: Path) -> Any:
@@ -488,8 +558,9 @@ def _read_model(
 ) -> tuple[nn.Module, Any]:
     config = _read_config(path)
     check_task(str(path), config, task)
-    _check_safetensors(path)
+    header = _read_header(path)
     cls = model_class(task)
+    _check_config_fits(path, cls, config, header)
     try:
         model, info = cls.from_pretrained(
             str(path),
@@ -505,6 +576,7 @@ def _read_model(
     problem = missing_weights_error(task, info)
     if problem:
         raise ModelLoadError(str(path), problem)
+    _check_finite(path, model, header)
     if device.type != "cpu":
         model = model.to(device)
     model.eval().requires_grad_(False)

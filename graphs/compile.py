@@ -22,6 +22,7 @@ from typing import Any
 import networkx as nx
 
 from trae_groups.graphs.errors import GraphValidationError, SourceMap, ValidationIssue
+from trae_groups.graphs.functions import FunctionPolicy
 from trae_groups.graphs.spec import (
     KIND_TASKS,
     RESULT_FIELDS,
@@ -81,8 +82,10 @@ def check_graph(
             _check_templates(walk, name, raw)
     if not spec.nodes and "nodes" not in excused.sections and not excused.nodes:
         walk.add(("nodes",), "the graph declares no nodes")
+    policy = FunctionPolicy.from_env()
     for name, node in spec.nodes.items():
         _check_model(walk, name, node)
+        _check_function(walk, name, node, policy)
         _check_templates(walk, name, node)
         _check_after(walk, name, node)
         _check_default(walk, name, node)
@@ -114,6 +117,13 @@ def _check_model(walk: _Walk, name: str, node: NodeSpec) -> None:
             f"a {node.kind} node cannot run on model '{node.model}' (its task is {model.task})",
             name,
         )
+
+
+def _check_function(walk: _Walk, name: str, node: NodeSpec, policy: FunctionPolicy) -> None:
+    if isinstance(node, PythonNode):
+        problem = policy.reference_problem(node.function)
+        if problem:
+            walk.add(("nodes", name, "function"), problem, name)
 
 
 def _check_templates(walk: _Walk, name: str, node: NodeSpec | Mapping[str, Any]) -> None:
@@ -324,18 +334,22 @@ def compile_graph(spec: GraphSpec) -> CompiledGraph:
 # ---------------------------------------------------------------- python functions
 
 
-def resolve_functions(spec: GraphSpec) -> dict[str, Callable[..., Any]]:
+def resolve_functions(
+    spec: GraphSpec, policy: FunctionPolicy | None = None
+) -> dict[str, Callable[..., Any]]:
     """Import every python node's function (a separate step: importing runs user code).
 
     Returns node name -> callable (sync or async); GraphValidationError lists every
-    node whose function cannot be imported, is missing, or is not callable.
+    node whose function the policy refuses (default: ``FunctionPolicy.from_env()``),
+    or that cannot be imported, is missing, or is not callable.
     """
+    policy = policy or FunctionPolicy.from_env()
     source = spec.source or SourceMap("<spec>")
     found, issues = {}, []
     for name, node in spec.nodes.items():
         if isinstance(node, PythonNode):
             try:
-                found[name] = _import(node.function)
+                found[name] = _import(node.function, policy)
             except _ResolveError as exc:
                 issues.append(source.issue(("nodes", name, "function"), str(exc), name))
     if issues:
@@ -347,7 +361,10 @@ class _ResolveError(Exception):
     pass
 
 
-def _import(reference: str) -> Callable[..., Any]:
+def _import(reference: str, policy: FunctionPolicy) -> Callable[..., Any]:
+    problem = policy.reference_problem(reference)
+    if problem:  # refused before anything is imported
+        raise _ResolveError(problem)
     module_name, _, attr_path = reference.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
@@ -358,6 +375,9 @@ def _import(reference: str) -> Callable[..., Any]:
             obj = getattr(obj, attr)
         except AttributeError:
             raise _ResolveError(f"'{reference}': no attribute '{attr}'") from None
+        problem = policy.object_problem(reference, obj)
+        if problem:
+            raise _ResolveError(problem)
     if not callable(obj):
         raise _ResolveError(f"'{reference}' is not callable")
     return obj

@@ -13,6 +13,7 @@ node's engine work is aborted by the client call it was waiting on.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -280,13 +281,18 @@ class GraphExecutor:
         prepared = request if isinstance(request, Prepared) else self.prepare(request, **prepare)
         send, receive = anyio.create_memory_object_stream[Event](max_buffer_size=1 << 16)
 
+        def sink(event: Event) -> None:
+            # nodes cancelled after the reader left still report: those events go nowhere
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                send.send_nowait(event)
+
         async def produce() -> None:
             async with send:
                 try:
-                    result = await self.run(prepared, on_event=send.send_nowait)
-                    send.send_nowait(Event("result", {"outputs": result.outputs}, result=result))
+                    result = await self.run(prepared, on_event=sink)
+                    sink(Event("result", {"outputs": result.outputs}, result=result))
                 except GraphError as exc:
-                    send.send_nowait(Event("error", error_body(exc), error=exc))
+                    sink(Event("error", error_body(exc), error=exc))
 
         async with anyio.create_task_group() as group, receive:
             group.start_soon(produce)

@@ -4,7 +4,9 @@ A graph file must never run code or read files, so the environment is Jinja's
 immutable sandbox with no loader (no include/import/extends), no extensions, no
 constant folding (so validating a template never evaluates it), StrictUndefined (a
 typo fails loudly instead of rendering as ""), and attribute access that prefers
-dict keys (so a result field named `items` is the field, not ``dict.items``).
+dict keys (so a result field named `items` is the field, not ``dict.items``). Nor
+may a template spend the process: sizes, work per render and nesting are bounded
+(graphs/sandbox.py).
 
 The rendering context is ``{"inputs": {...}, "<node>": result dict or None, ...}``.
 
@@ -15,45 +17,29 @@ number a number. Any other template renders to a string.
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2 import StrictUndefined, Undefined, meta, nodes
+from jinja2 import Undefined, meta, nodes
+from jinja2.environment import Template, TemplateExpression
 from jinja2.exceptions import TemplateSyntaxError
 from jinja2.parser import Parser
-from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
-from jinja2.utils import Namespace
 from pydantic import BaseModel
 
 from trae_groups.graphs.errors import TemplateRenderError
 from trae_groups.graphs.nodes import KINDS, TEMPLATE_FIELDS, NodeBase
+from trae_groups.graphs.sandbox import MAX_DEPTH, LimitExceeded, bound, budgeted, depth
+from trae_groups.graphs.sandbox import make_environment as make_environment
 
 _SINGLE = re.compile(r"^\s*\{\{-?(.*?)-?\}\}\s*$", re.S)
 _FORBIDDEN_NODES = (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """The sandbox, with mapping keys winning over methods for `a.b`."""
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        if isinstance(obj, Mapping):
-            try:
-                return obj[attribute]
-            except (KeyError, TypeError):
-                pass
-        return super().getattr(obj, attribute)
-
-
-def make_environment() -> ImmutableSandboxedEnvironment:
-    """A fresh sandbox; its globals are only range (bounded), dict and namespace."""
-    env = _Sandbox(undefined=StrictUndefined, autoescape=False, optimized=False)
-    env.globals = {"range": safe_range, "dict": dict, "namespace": Namespace}
-    return env
-
-
 ENV = make_environment()
+_TOO_DEEP = f"template nested too deeply (more than {MAX_DEPTH} levels)"
 
 
 # ---------------------------------------------------------------- static analysis
@@ -104,8 +90,27 @@ def analyze(source: str, *, expression: bool = False) -> TemplateInfo:
         ast = parse(source, expression=expression)
     except TemplateSyntaxError as exc:
         return TemplateInfo((), (TemplateProblem(f"template syntax: {exc.message}", exc.lineno),))
+    except RecursionError:
+        return TemplateInfo((), (TemplateProblem(_TOO_DEEP, None),))
+    if depth(ast) > MAX_DEPTH:
+        return TemplateInfo((), (TemplateProblem(_TOO_DEEP, None),))
+    unknown = tuple(_unknown_names(ast))
+    if unknown:  # Jinja's own analysis stops at the first with an exception
+        return TemplateInfo((), unknown)
     free = meta.find_undeclared_variables(ast) - set(ENV.globals)
     return TemplateInfo(tuple(_references(ast, free)), tuple(_forbidden(ast)))
+
+
+def _unknown_names(ast: nodes.Template) -> Iterator[TemplateProblem]:
+    """Filters and tests the environment does not have (a compile error otherwise)."""
+    for node in ast.find_all((nodes.Filter, nodes.Test)):
+        known, kind = (
+            (ENV.filters, "filter") if isinstance(node, nodes.Filter) else (ENV.tests, "test")
+        )
+        if node.name not in known:
+            hint = difflib.get_close_matches(node.name, [n for n in known if ":" not in n], 1)
+            did_you_mean = f" (did you mean '{hint[0]}'?)" if hint else ""
+            yield TemplateProblem(f"unknown {kind} '{node.name}'{did_you_mean}", node.lineno)
 
 
 def _forbidden(ast: nodes.Template) -> Iterator[TemplateProblem]:
@@ -177,19 +182,20 @@ class GraphTemplate:
 
     def __init__(self, source: str):
         self.source = source
-        ast = _checked(source, expression=False)
-        self._template = ENV.from_string(ast)
-        self._expression = _single_expression(source, ast)
+        ast = bound(_checked(source, expression=False), ENV)
+        self._template = _compile(source, ast)
+        expression = _single_expression(source, ast)
+        self._expression = None if expression is None else _compile_expression(source, expression)
 
     def render(self, context: Mapping[str, Any]) -> Any:
         try:
             if self._expression is None:
-                return self._template.render(context)
-            return _defined(self._expression(context))
+                return budgeted(lambda: self._template.render(context))
+            return _defined(budgeted(lambda: self._expression(context)))
         except TemplateRenderError:
             raise
         except Exception as exc:
-            raise TemplateRenderError(f"template {self.source!r}: {_describe(exc)}") from exc
+            raise TemplateRenderError(f"template {_clip(self.source)}: {_describe(exc)}") from exc
 
 
 class Condition:
@@ -197,16 +203,16 @@ class Condition:
 
     def __init__(self, source: str):
         self.source = source
-        _checked(source, expression=True)
-        self._expression = ENV.compile_expression(source, undefined_to_none=False)
+        ast = bound(_checked(source, expression=True), ENV)
+        self._expression = _compile_expression(source, ast.body[0].nodes[0])
 
     def evaluate(self, context: Mapping[str, Any]) -> bool:
         try:
-            return bool(_defined(self._expression(context)))
+            return bool(_defined(budgeted(lambda: self._expression(context))))
         except TemplateRenderError:
             raise
         except Exception as exc:
-            raise TemplateRenderError(f"condition {self.source!r}: {_describe(exc)}") from exc
+            raise TemplateRenderError(f"condition {_clip(self.source)}: {_describe(exc)}") from exc
 
 
 def _checked(source: str, *, expression: bool) -> nodes.Template:
@@ -214,13 +220,17 @@ def _checked(source: str, *, expression: bool) -> nodes.Template:
     try:
         ast = parse(source, expression=expression)
     except TemplateSyntaxError as exc:
-        raise TemplateRenderError(f"template {source!r}: {exc.message}") from exc
-    for problem in _forbidden(ast):
-        raise TemplateRenderError(f"template {source!r}: {problem.message}")
+        raise TemplateRenderError(f"template {_clip(source)}: {exc.message}") from exc
+    except RecursionError:
+        raise TemplateRenderError(f"template {_clip(source)}: {_TOO_DEEP}") from None
+    if depth(ast) > MAX_DEPTH:
+        raise TemplateRenderError(f"template {_clip(source)}: {_TOO_DEEP}")
+    for problem in (*_forbidden(ast), *_unknown_names(ast)):
+        raise TemplateRenderError(f"template {_clip(source)}: {problem.message}")
     return ast
 
 
-def _single_expression(source: str, ast: nodes.Template) -> Any:
+def _single_expression(source: str, ast: nodes.Template) -> nodes.Expr | None:
     match = _SINGLE.match(source)
     if not match or len(ast.body) != 1 or not isinstance(ast.body[0], nodes.Output):
         return None
@@ -231,7 +241,22 @@ def _single_expression(source: str, ast: nodes.Template) -> Any:
     ]
     if len(parts) != 1 or isinstance(parts[0], nodes.TemplateData):
         return None
-    return ENV.compile_expression(match.group(1), undefined_to_none=False)
+    return parts[0]
+
+
+def _compile(source: str, ast: nodes.Template) -> Template:
+    try:
+        return ENV.from_string(ast)
+    except TemplateSyntaxError as exc:  # what only the compiler sees
+        raise TemplateRenderError(f"template {_clip(source)}: {exc.message}") from exc
+
+
+def _compile_expression(source: str, expression: nodes.Expr) -> TemplateExpression:
+    """Jinja's compile_expression, from an AST already checked and bounded."""
+    target = nodes.Name("result", "store", lineno=1)
+    root = nodes.Template([nodes.Assign(target, expression, lineno=1)], lineno=1)
+    root.set_environment(ENV)
+    return TemplateExpression(_compile(source, root), undefined_to_none=False)
 
 
 def _defined(value: Any) -> Any:
@@ -241,7 +266,13 @@ def _defined(value: Any) -> Any:
 
 
 def _describe(exc: Exception) -> str:
+    if isinstance(exc, LimitExceeded):
+        return f"over the template limits: {exc}"
     return str(exc) if str(exc) else type(exc).__name__
+
+
+def _clip(source: str, limit: int = 120) -> str:
+    return repr(source) if len(source) <= limit else repr(source[:limit]) + "..."
 
 
 class NodeTemplates:

@@ -32,3 +32,8 @@ async def slow_async(seconds: float) -> str:
 
 def retrieve(query: str) -> list[dict]:
     return [{"title": f"doc about {query}", "score": 0.9}, {"title": "other", "score": 0.1}]
+
+
+def non_finite() -> dict:
+    """Floats JSON cannot hold, as user code may return them."""
+    return {"nan": float("nan"), "inf": float("inf"), "list": [1.5, -float("inf")], "ok": 2.5}

@@ -60,6 +60,11 @@ class ServerConfig:
     log_level: str = "info"
     access_log: bool = True  # uvicorn's line per request, at log_level info
     freeze_gc: bool = True  # models loaded: gc.freeze() the heap (graphs.runtime.settle_heap)
+    # slow clients (trae_groups/http_protocol.py): 408 past these, 503 past the cap
+    header_timeout_s: float = 10.0  # a request's headers, from its first byte
+    body_timeout_s: float = 30.0  # its body, from its headers
+    keep_alive_s: float = 5.0  # an idle connection between requests
+    max_connections: int | None = 1024  # open connections (and requests) at once
 
     def __post_init__(self):
         limits = [self.max_inflight, *self.graph_limits.values()]
@@ -71,6 +76,10 @@ class ServerConfig:
             raise ValueError("retry_after_s and shutdown_grace_s: must be >= 0")
         if self.max_queue_wait_s <= 0:
             raise ValueError("max_queue_wait_s: must be > 0")
+        if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_s) <= 0:
+            raise ValueError("header_timeout_s, body_timeout_s and keep_alive_s: must be > 0")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError("max_connections: must be >= 1 (or None for no cap)")
 
     def limit_for(self, graph: str) -> int:
         return self.graph_limits.get(graph, self.max_inflight)

@@ -54,7 +54,9 @@ def _json_arg(text: str) -> Any:
 
 
 def _print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False, default=str) + "\n")
+    from trae_groups.http_io import dumps  # strict JSON: NaN and infinities as null
+
+    sys.stdout.write(dumps(data, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------- engine options
@@ -66,6 +68,16 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cpu)")
     group.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     group.add_argument("--attention-backend", default=None, help="torch, triton, flash_attn")
+
+
+def _function_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--allow-functions",
+        metavar="PREFIXES",
+        default=None,
+        help="the only modules python nodes may name, comma-separated (sets "
+        "$TRAE_ALLOWED_FUNCTIONS; default: any but the denied ones, see docs/graphs.md)",
+    )
 
 
 def _engine_config(args: argparse.Namespace):
@@ -137,11 +149,19 @@ def _missing_models(spec) -> list:
     for name, model in spec.models.items():
         for version in model.sources:
             folder = spec.model_path(name, version)
-            if not (folder / "config.json").is_file():
-                where = ("models", name, "source" if model.source else "versions")
+            where = ("models", name, "source" if model.source else "versions")
+            unset = _UNSET_VAR.findall(str(folder))
+            if unset:  # expandvars leaves an unset variable as it is
+                names = ", ".join(sorted({a or b for a, b in unset}))
+                message = f"model '{name}': its folder {folder} needs {names}, which is not set"
+                issues.append(source.issue(where, message))
+            elif not (folder / "config.json").is_file():
                 message = f"model '{name}': no model at {folder} (no config.json)"
                 issues.append(source.issue(where, message))
     return issues
+
+
+_UNSET_VAR = re.compile(r"\$\{(\w+)\}|\$(\w+)")
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -173,6 +193,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from trae_groups.engine.errors import ModelLoadError
     from trae_groups.graph_api import result_body
     from trae_groups.graphs.errors import GraphError
     from trae_groups.graphs.loader import load_graph
@@ -183,7 +204,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _print_error(error_body(exc))
         return 1
-    runtime, (executor,) = _load_runtime([args.graph], _engine_config(args))
+    try:  # a missing or broken model folder: one line, not a traceback
+        runtime, (executor,) = _load_runtime([args.graph], _engine_config(args))
+    except (ModelLoadError, GraphError, ValueError) as exc:
+        _print_error(error_body(exc))
+        return 1
     outputs = args.outputs.split(",") if args.outputs else None
     runtime.start()
     try:
@@ -218,9 +243,11 @@ def check_inputs(spec, inputs: Any) -> None:
 
 async def _run_streamed(executor, inputs: dict, outputs) -> int:
     """Each event as one JSON line; the last one is the result or the error."""
+    from trae_groups.http_io import dumps
+
     status = 0
     async for event in executor.stream(inputs, outputs=outputs):
-        sys.stdout.write(json.dumps({"event": event.type, **event.data}, default=str) + "\n")
+        sys.stdout.write(dumps({"event": event.type, **event.data}) + "\n")
         sys.stdout.flush()
         status = 1 if event.type == "error" else status
     return status
@@ -389,18 +416,26 @@ def cmd_health(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from trae_groups.server import ServerConfig, serve
 
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        engine=_engine_config(args),
-        max_inflight=args.max_inflight,
-        max_body_bytes=args.max_body_bytes,
-        shutdown_grace_s=args.grace,
-        admin_token=args.admin_token,
-        log_level=args.log_level,
-        access_log=args.access_log,
-        freeze_gc=args.gc_freeze,
-    )
+    try:  # a flag's value out of range is a usage error, not a traceback
+        config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            engine=_engine_config(args),
+            max_inflight=args.max_inflight,
+            max_body_bytes=args.max_body_bytes,
+            shutdown_grace_s=args.grace,
+            admin_token=args.admin_token,
+            log_level=args.log_level,
+            access_log=args.access_log,
+            freeze_gc=args.gc_freeze,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            keep_alive_s=args.keep_alive,
+            max_connections=args.max_connections or None,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.ray_config:
         import yaml
 
@@ -473,6 +508,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace", type=float, default=30.0, help="seconds to drain on exit")
     serve.add_argument("--admin-token", default=None, help="default: $TRAE_ADMIN_TOKEN")
     serve.add_argument(
+        "--header-timeout", type=float, default=10.0, help="seconds for a request's headers"
+    )
+    serve.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds for a body, after its headers"
+    )
+    serve.add_argument(
+        "--keep-alive", type=float, default=5.0, help="seconds an idle connection stays open"
+    )
+    serve.add_argument(
+        "--max-connections", type=int, default=1024, help="503 beyond this many (0: no cap)"
+    )
+    serve.add_argument(
         "--no-access-log",
         dest="access_log",
         action="store_false",
@@ -499,6 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the Serve config equivalent to --ray (for `serve deploy`) and exit",
     )
+    _function_options(serve)
     _engine_options(serve)
     serve.set_defaults(run=cmd_serve)
 
@@ -514,6 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--outputs", help="comma-separated outputs (default: all)")
     run.add_argument("--timeout", type=float, default=None)
     run.add_argument("--stream", action="store_true", help="print events as JSON lines")
+    _function_options(run)
     _engine_options(run)
     run.set_defaults(run=cmd_run)
 
@@ -523,6 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument(
         "--functions", action="store_true", help="also import python nodes' functions"
     )
+    _function_options(validate)
     validate.set_defaults(run=cmd_validate)
 
     show = sub.add_parser("show", help="draw the DAG")
@@ -580,6 +630,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--input", type=_json_arg, default=None, help="default: sample inputs")
     bench.add_argument("--timeout", type=float, default=120.0)
     bench.add_argument("--json", action="store_true")
+    _function_options(bench)
     _engine_options(bench)
     bench.set_defaults(run=cmd_bench)
     return parser
@@ -596,14 +647,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "clients", 1) < 1 or getattr(args, "requests", 1) < 0:
         print("error: --clients must be >= 1 and --requests >= 0", file=sys.stderr)
         return 2
+    from trae_groups.engine.errors import ModelLoadError
     from trae_groups.graphs.errors import GraphValidationError
+    from trae_groups.graphs.functions import ENV_VAR
 
+    if getattr(args, "allow_functions", None) is not None:  # one home: the variable
+        os.environ[ENV_VAR] = args.allow_functions
     try:
         return args.run(args)
     except GraphValidationError as exc:
         print(exc, file=sys.stderr)
         return 1
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

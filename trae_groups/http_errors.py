@@ -11,12 +11,14 @@ status themselves.
 | 401 | admin route without the right bearer token |
 | 404 | unknown graph, model or route; admin routes when no token is configured |
 | 405 | method not allowed |
+| 408 | a request's headers or body did not arrive in time (http_protocol) |
 | 409 | reload of a graph that was not loaded from a file |
 | 413 | body larger than ``max_body_bytes`` |
 | 422 | inputs or sampling parameters invalid (``field`` names which); a node's engine
         refused what the request made it render (``node`` and ``field``); a graph
         reload that does not validate (``issues``); a version split that cannot apply |
 | 429 | the graph already has ``max_inflight`` requests (``Retry-After``) |
+| 431 | a request's headers are larger than 64 KiB (http_protocol) |
 | 500 | a node failed (``node``), or a server bug (no details leak) |
 | 503 | models still loading, or the server is shutting down (``Retry-After``) |
 | 504 | the graph's or a node's timeout ran out (``node`` when a node's) |
@@ -45,11 +47,13 @@ _PHRASES = {
     403: "Forbidden",
     404: "NotFound",
     405: "MethodNotAllowed",
+    408: "RequestTimeout",
     409: "Conflict",
     413: "PayloadTooLarge",
     415: "UnsupportedMediaType",
     422: "UnprocessableEntity",
     429: "QueueFull",
+    431: "HeadersTooLarge",
     500: "InternalError",
     503: "ServiceUnavailable",
     504: "Timeout",
@@ -110,6 +114,11 @@ def overloaded_error(graph: str, limit_s: float, retry_after: int) -> HTTPError:
 
 def unavailable(message: str, retry_after: int, type: str = "ServiceUnavailable") -> HTTPError:
     return HTTPError(503, message, type=type, headers={"Retry-After": str(retry_after)})
+
+
+def is_openai_path(path: str) -> bool:
+    """Routes whose errors take OpenAI's shape (``param``, ``code``)."""
+    return path.startswith("/v1/") and not path.startswith("/v1/graphs")
 
 
 def status_of(exc: BaseException) -> int:

@@ -8,7 +8,10 @@ moment the client leaves (the executor then aborts its engine work).
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import json
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -17,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from trae_groups.http_errors import bad_request, too_large
+from trae_groups.http_errors import HTTPError, bad_request, error_body, is_openai_path, too_large
 
 T = TypeVar("T")
 
@@ -54,11 +57,29 @@ async def read_json(request: Request, limit: int) -> Any:
     return data
 
 
+class GraceOver(HTTPError):
+    """The server's shutdown grace ran out while this request was running."""
+
+
+_grace: contextvars.ContextVar[tuple[asyncio.Event, int] | None] = contextvars.ContextVar(
+    "trae_grace", default=None
+)
+
+
+def end_with_grace(grace_over: asyncio.Event, retry_after: int) -> None:
+    """For the current request (task): when ``grace_over`` is set, its work is cancelled
+    and it answers 503 (``until_disconnect`` raises ``GraceOver``; an event stream
+    ends with an error event). The server calls this as each request starts."""
+    _grace.set((grace_over, retry_after))
+
+
 async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -> tuple[T, bool]:
     """Run ``work()``; if the client disconnects first, cancel it. Returns (result, gone).
-    The work runs in the calling task, not a new one: under load every extra task
-    start waits a whole turn of a busy event loop."""
+    If the server's shutdown grace runs out first (``end_with_grace``), cancel it and
+    raise ``GraceOver``. The work runs in the calling task, not a new one: under load
+    every extra task start waits a whole turn of a busy event loop."""
     outcome: dict[str, Any] = {"gone": False}
+    grace = _grace.get()
 
     async with anyio.create_task_group() as group:
 
@@ -68,12 +89,26 @@ async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -
             outcome["gone"] = True
             group.cancel_scope.cancel()
 
+        async def watch_grace(grace_over: asyncio.Event) -> None:
+            await grace_over.wait()
+            outcome["grace_over"] = True
+            group.cancel_scope.cancel()
+
         group.start_soon(watch)
+        if grace is not None:
+            group.start_soon(watch_grace, grace[0])
         try:
             outcome["result"] = await work()
         except Exception as exc:
             outcome["error"] = exc
         group.cancel_scope.cancel()
+    if outcome.get("grace_over") and not outcome["gone"] and "result" not in outcome:
+        raise GraceOver(
+            503,
+            "the server shut down before this request finished",
+            type="ShuttingDown",
+            headers={"Retry-After": str(grace[1])},
+        )
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("result"), outcome["gone"]
@@ -110,7 +145,12 @@ class EventStream(Response):
                 body = text.encode("utf-8")
                 await send({"type": "http.response.body", "body": body, "more_body": True})
 
-            _, gone = await until_disconnect(receive, lambda: self._produce(emit))
+            try:
+                _, gone = await until_disconnect(receive, lambda: self._produce(emit))
+            except GraceOver as exc:  # the stream ends with the error, as the route's would
+                for event in _error_events(exc, openai=is_openai_path(scope["path"])):
+                    await emit(event)
+                gone = False
             if not gone:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except OSError:  # the socket went away while writing: same as a disconnect
@@ -119,16 +159,53 @@ class EventStream(Response):
             self._on_close()
 
 
+def _error_events(exc: HTTPError, openai: bool) -> list[str]:
+    if openai:
+        return [sse(None, error_body(exc, openai=True)), sse(None, "[DONE]")]
+    return [sse("error", {**error_body(exc), "status": exc.status}), sse("done", {})]
+
+
 class ResultResponse(JSONResponse):
-    """JSON whose values may come from user code (python nodes): sets and tuples
-    become lists, other non-JSON values their ``str()``."""
+    """JSON whose values may come from user code (python nodes): see ``dumps``."""
 
     def render(self, content: Any) -> bytes:
         return dumps(content).encode("utf-8")
 
 
-def dumps(data: Any) -> str:
-    return json.dumps(data, ensure_ascii=False, separators=(",", ":"), default=_plain)
+def dumps(data: Any, *, indent: int | None = None) -> str:
+    """Strict JSON (RFC 8259) of values that may come from user code: sets and tuples
+    become lists, other non-JSON values their ``str()``, and the floats JSON cannot
+    hold (NaN, Infinity, -Infinity) become ``null``."""
+    try:
+        return _dumps(data, indent)
+    except ValueError:  # a non-finite float somewhere (rare): rewrite, then encode
+        return _dumps(_finite(data), indent)
+
+
+def _dumps(data: Any, indent: int | None) -> str:
+    separators = (",", ":") if indent is None else (",", ": ")
+    return json.dumps(
+        data,
+        ensure_ascii=False,
+        separators=separators,
+        indent=indent,
+        allow_nan=False,
+        default=_plain,
+    )
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {_finite_key(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _finite_key(key: Any) -> Any:
+    return key if not isinstance(key, float) or math.isfinite(key) else str(key)
 
 
 def _plain(value: Any) -> Any:

@@ -40,8 +40,16 @@ from trae_groups.app_state import AppState, ServerConfig
 from trae_groups.graphs.loader import load_graph
 from trae_groups.graphs.routing import RouteError, check_split, parse_split, with_weight
 from trae_groups.graphs.spec import GraphSpec
-from trae_groups.http_errors import HTTPError, bad_request, error_response, not_found
-from trae_groups.http_io import read_json
+from trae_groups.graphs.types import slug
+from trae_groups.http_errors import (
+    HTTPError,
+    bad_request,
+    error_response,
+    is_openai_path,
+    not_found,
+)
+from trae_groups.http_io import end_with_grace, read_json
+from trae_groups.http_protocol import protocol_class
 from trae_groups.metrics import CONTENT_TYPE
 from trae_groups.openapi import openapi_document
 
@@ -171,6 +179,7 @@ async def model_versions(request: Request) -> Response:
                 raise bad_request('send {"version": "v3", "path": "/folder"}', "version")
             if not isinstance(path, str) or not path:
                 raise bad_request('send {"version": "v3", "path": "/folder"}', "path")
+            _check_upload(version, path)
             await anyio.to_thread.run_sync(
                 state.runtime.add_version, served.name, model, version, path
             )
@@ -186,6 +195,17 @@ async def model_versions(request: Request) -> Response:
         {"graph": served.name, "model": model, "versions": sorted(versioned.clients),
          "route": versioned.router.weights}
     )  # fmt: skip
+
+
+def _check_upload(version: str, path: str) -> None:
+    """A version is named as in the graph file (the same slug rule); a path is text a
+    file system can take."""
+    try:
+        slug(version)
+    except ValueError as exc:
+        raise HTTPError(422, f"version: {exc}", field="version") from None
+    if "\x00" in path:
+        raise HTTPError(422, "path: contains a NUL character", field="path")
 
 
 async def openapi(request: Request) -> Response:
@@ -213,6 +233,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        app.state.grace_over = asyncio.Event()  # set when shutdown's grace runs out
         loading = asyncio.get_running_loop().create_task(_load(state))
         try:
             yield
@@ -262,9 +283,12 @@ async def _load(state: AppState) -> None:
 def _guarded(route: Route) -> Route:
     """Every error a handler raises becomes the one error body (http_errors)."""
     endpoint = route.endpoint
-    openai = route.path.startswith("/v1/") and "graphs" not in route.path
+    openai = is_openai_path(route.path)
 
     async def guarded(request: Request) -> Response:
+        grace_over = getattr(request.app.state, "grace_over", None)
+        if grace_over is not None:  # this request's task: its work ends with the grace
+            end_with_grace(grace_over, request.app.state.trae.config.retry_after_s)
         try:
             return await endpoint(request)
         except Exception as exc:
@@ -280,10 +304,14 @@ async def _handle(request: Request, exc: Exception) -> Response:
 # ---------------------------------------------------------------- running it
 
 
+_ANSWER_S = 5.0  # after the grace: time for cancelled requests to write their 503
+
+
 class TraeServer(uvicorn.Server):
     """uvicorn with a draining shutdown: the first SIGTERM/SIGINT (or ``stop()``) makes
-    new requests 503 and waits up to the grace period for in-flight ones; then the
-    sockets close and the engine stops. A second signal exits at once."""
+    new requests 503 and waits up to the grace period for in-flight ones; those still
+    running then have their work cancelled and answer 503 (JSON, or an SSE error
+    event); then the sockets close and the engine stops. A second signal exits at once."""
 
     def __init__(self, config: uvicorn.Config, state: AppState):
         super().__init__(config)
@@ -317,7 +345,13 @@ class TraeServer(uvicorn.Server):
 
     async def _drain(self) -> None:
         if not await self.state.wait_idle(self.state.config.shutdown_grace_s):
-            log.warning("grace period over with %d request(s) in flight", self.state.inflight)
+            log.warning(
+                "grace period over: answering 503 to %d request(s) in flight", self.state.inflight
+            )
+            grace_over = getattr(self.config.app.state, "grace_over", None)
+            if grace_over is not None:
+                grace_over.set()  # their work is cancelled; each answers 503 (or an SSE error)
+                await self.state.wait_idle(_ANSWER_S)
         self.should_exit = True
 
     def stop(self) -> None:
@@ -339,17 +373,40 @@ def _uvicorn_config(
         access_log=config.access_log,
         timeout_graceful_shutdown=max(1, math.ceil(config.shutdown_grace_s)),
         lifespan="on",
+        http=protocol_class(config.header_timeout_s, config.body_timeout_s),
+        timeout_keep_alive=config.keep_alive_s,
+        limit_concurrency=config.max_connections,
     )
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound now (OSError if the address is taken), so a taken
+    port fails before any model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve(graphs: Sequence[GraphSpec | str | Path], config: ServerConfig | None = None) -> int:
-    """Serve until SIGTERM/SIGINT; the exit status (1 when the models failed to load)."""
+    """Serve until SIGTERM/SIGINT; the exit status: 1 when the port cannot be bound
+    (checked before any model loads) or the models failed to load."""
     config = config or ServerConfig()
-    app = create_app(graphs, config)
+    app = create_app(graphs, config)  # validates the graphs; models load once serving
+    try:
+        sock = listen_socket(config.host, config.port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%s: %s", config.host, config.port, exc.strerror or exc)
+        return 1
     state: AppState = app.state.trae
     server = TraeServer(_uvicorn_config(app, config), state)
     state.on_load_failed = server.stop
-    server.run()
+    server.run(sockets=[sock])
     return 1 if state.load_error else 0
 
 
@@ -359,9 +416,7 @@ class ServerThread:
     def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0):
         self.app = app
         self.state: AppState = app.state.trae
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
+        self._socket = listen_socket(host, port)
         self.host, self.port = self._socket.getsockname()[:2]
         config = _uvicorn_config(app, self.state.config, log_level="warning")
         self.server = TraeServer(config, self.state)
