@@ -33,7 +33,6 @@ from trae_groups.kernels import select_backend
 log = logging.getLogger("trae_groups.engine")
 
 
-
 def _named(models: Mapping[str, str | Path] | Sequence[str | Path]) -> dict[str, str]:
     if isinstance(models, Mapping):
         return {name: str(path) for name, path in models.items()}

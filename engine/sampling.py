@@ -26,7 +26,9 @@ class Bound:
             return False
         if self.integer and not isinstance(value, int):
             return False
-        if self.low is not None and (value < self.low or (value == self.low and not self.low_inclusive)):
+        if self.low is not None and (
+            value < self.low or (value == self.low and not self.low_inclusive)
+        ):
             return False
         return self.high is None or not (
             value > self.high or (value == self.high and not self.high_inclusive)

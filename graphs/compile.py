@@ -242,9 +242,7 @@ class CompiledGraph:
     order: tuple[str, ...]
     templates: Mapping[str, NodeTemplates]
     _parents: Mapping[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
-    _needed: dict[frozenset[str] | None, tuple[str, ...]] = field(
-        default_factory=dict, repr=False
-    )
+    _needed: dict[frozenset[str] | None, tuple[str, ...]] = field(default_factory=dict, repr=False)
 
     @property
     def roots(self) -> tuple[str, ...]:

@@ -267,7 +267,10 @@ class GenerateNode(NodeBase):
             raise TemplateRenderError(
                 "messages must be a list of {role, content} with string values"
             )
-        return {**payload, "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+        return {
+            **payload,
+            "messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+        }
 
 
 async def _generate(call: NodeCall) -> dict:

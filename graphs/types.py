@@ -93,6 +93,7 @@ class Spec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
+
 _SAMPLING_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 
 

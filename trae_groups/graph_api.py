@@ -71,9 +71,7 @@ async def run_graph(request: Request) -> Response:
     body = parse_run_request(await read_json(request, state.config.max_body_bytes))
     ticket = state.admit(served)
     try:
-        prepared = ticket.executor.prepare(
-            body.inputs, outputs=body.outputs, timeout=body.timeout
-        )
+        prepared = ticket.executor.prepare(body.inputs, outputs=body.outputs, timeout=body.timeout)
     except Exception as exc:
         ticket.release()
         state.record(served, time.perf_counter(), None, exc)
