@@ -140,3 +140,64 @@ def test_the_http_api_describes_the_rerank_node_and_its_typed_outputs(root):
     assert ok["properties"]["outputs"] == graph["outputs"]
     assert answer.status_code == 200, answer.text
     assert len(answer.json()["outputs"]["scores"]) == 2
+
+
+SHARED = """
+name: shared
+models:
+  clf: {{source: {root}/clf, task: classify, max_queue_delay_ms: 20}}
+  rr: {{source: {root}/rr_shared, task: rerank, max_queue_delay_ms: 20}}
+inputs: {{q: str, docs: "list[str]"}}
+nodes:
+  intent: {{model: clf, input: "{{{{ inputs.q }}}}"}}
+  rank: {{model: rr, query: "{{{{ inputs.q }}}}", documents: "{{{{ inputs.docs }}}}"}}
+outputs: {{scores: rank.scores, intent: intent.scores}}
+"""
+
+
+def build_shared_backbone(root: Path) -> None:
+    """A classifier, and a cross-encoder whose backbone is the classifier's, byte for byte."""
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    build_encoder(root / "clf", "classify", ["greet", "order", "spam"], seed=5)
+    clf = BertForSequenceClassification.from_pretrained(root / "clf")
+    config = clf.config.to_dict() | {"id2label": {0: "relevant"}, "label2id": {"relevant": 0}}
+    torch.manual_seed(6)
+    rr = BertForSequenceClassification(type(clf.config).from_dict(config))
+    rr.bert.load_state_dict(clf.bert.state_dict())
+    rr.save_pretrained(root / "rr_shared")
+    AutoTokenizer.from_pretrained(root / "clf").save_pretrained(root / "rr_shared")
+
+
+def test_a_classifier_and_a_cross_encoder_on_one_backbone_share_a_worker(tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    build_shared_backbone(tmp_path)
+    spec = load_graph_text(SHARED.format(root=tmp_path), "shared.yaml")
+    rt = ModelRuntime(EngineConfig(pool_bytes=8 << 20, fast_linear=False))
+    executor = rt.bind(spec)
+    rt.start()
+    queries = [f"{QUERY} {i}" for i in range(6)]
+    try:
+
+        async def all_at_once():
+            return await asyncio.gather(
+                *(executor.run({"q": q, "docs": DOCS[:2]}) for q in queries)
+            )
+
+        results = asyncio.run(all_at_once())
+        (worker,) = rt.stats().models.values()  # one worker: the backbone is held once
+        assert worker.counters["items"] == len(queries) * 3
+    finally:
+        rt.shutdown()
+    clf = AutoModelForSequenceClassification.from_pretrained(tmp_path / "clf").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "clf")
+    for query, result in zip(queries, results, strict=True):
+        with torch.no_grad():
+            probs = clf(**tokenizer(query, return_tensors="pt")).logits.softmax(-1)[0].tolist()
+        got = list(result.outputs["intent"].values())
+        assert all(abs(a - b) < 1e-5 for a, b in zip(got, probs, strict=True))
+        expected = direct_scores(tmp_path / "rr_shared", query, DOCS[:2])
+        assert all(
+            abs(a - b) < 1e-5 for a, b in zip(result.outputs["scores"], expected, strict=True)
+        )
