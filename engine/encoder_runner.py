@@ -1,4 +1,5 @@
-"""Run one batch of texts through an encoder: classify, tag or embed.
+"""Run one batch of texts (or (query, document) pairs) through an encoder: classify,
+tag, embed or rerank.
 
 A runner holds one or more *heads* (loaded models) on one backbone. With one head
 it simply calls the model. With several (a classifier and a tagger fine-tuned on one

@@ -247,3 +247,11 @@ def test_cls_pooling_is_the_first_tokens_hidden_state(runtime, dirs, monkeypatch
     assert torch.allclose(cls, hidden[0], atol=1e-5)
     assert torch.allclose(mean, hidden.mean(0), atol=1e-5)
     assert not torch.allclose(cls, mean, atol=1e-3)
+
+
+def test_the_graph_docs_list_every_kind_and_generate_param():
+    text = (Path(__file__).parents[1] / "docs" / "graphs.md").read_text()
+    for kind in KINDS:
+        assert f"| `{kind}` |" in text, f"docs/graphs.md has no row for node kind {kind!r}"
+    for option in GenerateParams.model_fields:
+        assert f"| `{option}` |" in text, f"docs/graphs.md has no row for param {option!r}"
