@@ -83,8 +83,14 @@ class NodeCall:
     function: Callable[..., Any] | None = None
     emit: Callable[[str, dict], None] = lambda type, data: None
 
+    @property
+    def work_id(self) -> str:
+        """The id of this node's engine work: the request's id and the node's name, so
+        two nodes of one request on one model are two requests to it."""
+        return f"{self.request_id}/{self.name}"
+
     def encode(self, text: str | tuple[str, str], options: EncodeOptions = EncodeOptions()):
-        request = EncodeRequest(text, self.request_id, options, self.priority)
+        request = EncodeRequest(text, self.work_id, options, self.priority)
         return self.client.encode(request)
 
 
@@ -278,12 +284,12 @@ async def _generate(call: NodeCall) -> dict:
     if node.prompt is not None:
         prompt = call.payload["prompt"]
         request = GenerateRequest(
-            call.request_id, node.sampling(), prompt=str(prompt), priority=call.priority
+            call.work_id, node.sampling(), prompt=str(prompt), priority=call.priority
         )
     else:
         messages = tuple(call.payload["messages"])
         request = GenerateRequest(
-            call.request_id, node.sampling(), messages=messages, priority=call.priority
+            call.work_id, node.sampling(), messages=messages, priority=call.priority
         )
     pieces: list[str] = []
     last = None

@@ -155,7 +155,7 @@ def run_graph(runtime, dirs, kind: str, options: dict[str, Any], name: str, monk
     inputs = {"text": TEXT, "docs": DOCS} if kind == "rerank" else {"text": TEXT}
     result = asyncio.run(executor.run(inputs))
     monkeypatch.undo()
-    mine = [(a, k) for a, k in calls if k["request_id"] == result.request_id]
+    mine = [(a, k) for a, k in calls if k["request_id"] == f"{result.request_id}/n"]
     assert mine, "the engine received nothing for this request"
     return result, mine
 
