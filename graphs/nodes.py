@@ -412,4 +412,5 @@ def _node_union() -> Any:
 
 #: Any node, told apart by its ``kind``.
 NodeSpec = _node_union()
-ModelNode = ClassifyNode | TagNode | EmbedNode | RerankNode | GenerateNode
+#: Any node that runs on a model (every kind with a task).
+ModelNode = Union[tuple(k.spec for k in KINDS.values() if k.task)]  # noqa: UP007
