@@ -22,6 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 import anyio
 from pydantic import Discriminator, Field, JsonValue, Tag, model_validator
 
+from trae_groups.engine.errors import RequestError
 from trae_groups.engine.protocol import (
     EncodeOptions,
     EncodeRequest,
@@ -183,13 +184,24 @@ async def _rerank(call: NodeCall) -> dict:
     scores: list[float] = [0.0] * len(documents)
 
     async def score(i: int) -> None:
-        scores[i] = (await call.encode((query, documents[i])))["score"]
+        try:
+            scores[i] = (await call.encode((query, documents[i])))["score"]
+        except RequestError as exc:  # say which pair the model refused
+            raise RequestError(exc.field, f"query and document {i}: {exc.message}") from None
 
-    async with anyio.create_task_group() as group:
-        for i in range(len(documents)):
-            group.start_soon(score, i)
+    try:
+        async with anyio.create_task_group() as group:
+            for i in range(len(documents)):
+                group.start_soon(score, i)
+    except BaseExceptionGroup as failed:  # the node fails with the first pair's own error
+        raise _first(failed) from None
     order = sorted(range(len(documents)), key=lambda i: -scores[i])
     return {"scores": scores, "order": order, "top": documents[order[0]] if order else None}
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    first = group.exceptions[0]
+    return _first(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 # ---------------------------------------------------------------- generate

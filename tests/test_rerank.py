@@ -12,6 +12,7 @@ import torch
 
 from conftest import build_encoder
 from trae_groups.engine import EngineConfig
+from trae_groups.engine.errors import RequestError
 from trae_groups.graphs.errors import NodeError
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.runtime import ModelRuntime
@@ -111,6 +112,15 @@ def test_documents_that_are_not_a_list_fail_the_node_clearly(runtime):
     assert "documents must render to a list of strings" in str(caught.value)
 
 
+def test_a_pair_the_model_refuses_fails_the_node_with_that_pairs_error(runtime):
+    with pytest.raises(NodeError) as caught:
+        asyncio.run(runtime.graphs["search"].run({"q": QUERY, "docs": ["my order", " "]}))
+    assert caught.value.node == "rank"
+    assert isinstance(caught.value.cause, RequestError)  # not an ExceptionGroup (a 500)
+    assert "query and document 1: is empty" in str(caught.value)
+    assert runtime.engine.pool.stats().used_pages == 0
+
+
 def test_the_http_api_describes_the_rerank_node_and_its_typed_outputs(root):
     config = ServerConfig(engine=EngineConfig(pool_bytes=8 << 20, fast_linear=False))
     app = create_app([root / "search.yaml"], config)
@@ -119,6 +129,9 @@ def test_the_http_api_describes_the_rerank_node_and_its_typed_outputs(root):
         document = httpx.get(f"{server.url}/openapi.json").json()
         answer = httpx.post(
             f"{server.url}/v1/graphs/search", json={"inputs": {"q": QUERY, "docs": DOCS[:2]}}
+        )
+        refused = httpx.post(
+            f"{server.url}/v1/graphs/search", json={"inputs": {"q": QUERY, "docs": ["a", ""]}}
         )
     assert [(n["name"], n["kind"], n["model"]) for n in graph["nodes"]] == [
         ("rank", "rerank", "rr")
@@ -140,6 +153,8 @@ def test_the_http_api_describes_the_rerank_node_and_its_typed_outputs(root):
     assert ok["properties"]["outputs"] == graph["outputs"]
     assert answer.status_code == 200, answer.text
     assert len(answer.json()["outputs"]["scores"]) == 2
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["error"]["node"] == "rank"
 
 
 SHARED = """
