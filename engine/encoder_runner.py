@@ -1,4 +1,5 @@
-"""Run one batch of texts through an encoder: classify, tag or embed.
+"""Run one batch of texts (or (query, document) pairs) through an encoder: classify,
+tag, embed or rerank.
 
 A runner holds one or more *heads* (loaded models) on one backbone. With one head
 it simply calls the model. With several (a classifier and a tagger fine-tuned on one
@@ -69,6 +70,8 @@ def encode(loaded: LoadedModel, texts: Sequence[Text]) -> Encoded:
     fast = bool(getattr(tok, "is_fast", False))
     max_length = loaded.max_length
     pairs = bool(texts) and isinstance(texts[0], tuple)
+    if any(isinstance(t, tuple) != pairs for t in texts):
+        raise ValueError("a batch is texts or (query, document) pairs, not both")
     first = [t[0] for t in texts] if pairs else list(texts)
     second = [t[1] for t in texts] if pairs else None
     batch = tok(

@@ -5,7 +5,8 @@ thread calls ``step``, which takes a batch (similar lengths, oldest first), hold
 pages of the unified memory pool for its working memory while it runs, and resolves
 every item's future with that item's own result. Items with the same text in one
 batch share one row, so a classify node and a tag node on one shared backbone run
-the backbone once for that text. A bad item fails only its own future.
+the backbone once for that text. A batch holds texts or (query, document) pairs for
+a rerank head, never both. A bad item fails only its own future.
 """
 
 from __future__ import annotations
@@ -193,6 +194,9 @@ class EncoderWorker(Worker):
         now = time.monotonic()
         with self._lock:
             items = [it for it in self.batcher.take(now) if not it.future.done()]
+            items, later = _one_shape(items)
+            if later:
+                self.batcher.put_back(later)
             self._inflight = items  # abort() sees them from here on
         if not items:
             return
@@ -316,6 +320,16 @@ class EncoderWorker(Worker):
         self.batch_sizes[len(items)] += 1
         self.padded_tokens += batch * seq
         self.real_tokens += int(encoded.inputs["attention_mask"].sum())
+
+
+def _one_shape(items: list[EncoderItem]) -> tuple[list[EncoderItem], list[EncoderItem]]:
+    """A batch is texts or (query, document) pairs, never both (heads of both kinds
+    can share a backbone): the oldest item's kind runs now, the others next."""
+    if not items:
+        return items, []
+    pair = isinstance(items[0].text, tuple)
+    now = [it for it in items if isinstance(it.text, tuple) == pair]
+    return now, [it for it in items if isinstance(it.text, tuple) != pair]
 
 
 def _mark_running(item: EncoderItem) -> bool:

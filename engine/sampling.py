@@ -54,7 +54,7 @@ class Bound:
 
 
 #: The one home of every sampling option's range. The graph spec and the OpenAI
-#: request models derive their checks from it (graphs.spec.sampling_field).
+#: request models derive their checks from it (graphs.types.sampling_field).
 BOUNDS: dict[str, Bound] = {
     "max_tokens": Bound(1, 2**31, high_inclusive=False, integer=True),
     "temperature": Bound(0.0, 2.0),

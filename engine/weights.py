@@ -211,7 +211,7 @@ class WeightStore:
         policy: SharingPolicy | None = None,
         **model_kwargs: Any,
     ) -> LoadedModel:
-        """Load ``folder`` for ``task`` (one of classify, tag, embed, generate).
+        """Load ``folder`` for ``task`` (one of ``TASKS``: classify, tag, embed, rerank, generate).
         Extra keyword arguments (e.g. ``attn_implementation``) go to transformers."""
         policy = policy or self.policy
         path = Path(folder).expanduser().resolve()

@@ -22,6 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal, Union
 import anyio
 from pydantic import Discriminator, Field, JsonValue, Tag, model_validator
 
+from trae_groups.engine.errors import RequestError
 from trae_groups.engine.protocol import (
     EncodeOptions,
     EncodeRequest,
@@ -84,8 +85,14 @@ class NodeCall:
     function: Callable[..., Any] | None = None
     emit: Callable[[str, dict], None] = lambda type, data: None
 
+    @property
+    def work_id(self) -> str:
+        """The id of this node's engine work: the request's id and the node's name, so
+        two nodes of one request on one model are two requests to it."""
+        return f"{self.request_id}/{self.name}"
+
     def encode(self, text: str | tuple[str, str], options: EncodeOptions = EncodeOptions()):
-        request = EncodeRequest(text, self.request_id, options, self.priority)
+        request = EncodeRequest(text, self.work_id, options, self.priority)
         return self.client.encode(request)
 
 
@@ -178,13 +185,24 @@ async def _rerank(call: NodeCall) -> dict:
     scores: list[float] = [0.0] * len(documents)
 
     async def score(i: int) -> None:
-        scores[i] = (await call.encode((query, documents[i])))["score"]
+        try:
+            scores[i] = (await call.encode((query, documents[i])))["score"]
+        except RequestError as exc:  # say which pair the model refused
+            raise RequestError(exc.field, f"query and document {i}: {exc.message}") from None
 
-    async with anyio.create_task_group() as group:
-        for i in range(len(documents)):
-            group.start_soon(score, i)
+    try:
+        async with anyio.create_task_group() as group:
+            for i in range(len(documents)):
+                group.start_soon(score, i)
+    except BaseExceptionGroup as failed:  # the node fails with the first pair's own error
+        raise _first(failed) from None
     order = sorted(range(len(documents)), key=lambda i: -scores[i])
     return {"scores": scores, "order": order, "top": documents[order[0]] if order else None}
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    first = group.exceptions[0]
+    return _first(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 # ---------------------------------------------------------------- generate
@@ -279,7 +297,7 @@ async def _generate(call: NodeCall) -> dict:
     if node.prompt is not None:
         prompt = call.payload["prompt"]
         request = GenerateRequest(
-            call.request_id,
+            call.work_id,
             node.sampling(),
             prompt=str(prompt),
             priority=call.priority,
@@ -288,7 +306,7 @@ async def _generate(call: NodeCall) -> dict:
     else:
         messages = tuple(call.payload["messages"])
         request = GenerateRequest(
-            call.request_id,
+            call.work_id,
             node.sampling(),
             messages=messages,
             priority=call.priority,
@@ -415,4 +433,5 @@ def _node_union() -> Any:
 
 #: Any node, told apart by its ``kind``.
 NodeSpec = _node_union()
-ModelNode = ClassifyNode | TagNode | EmbedNode | RerankNode | GenerateNode
+#: Any node that runs on a model (every kind with a task).
+ModelNode = Union[tuple(k.spec for k in KINDS.values() if k.task)]  # noqa: UP007

@@ -22,7 +22,6 @@ from tqdm.auto import tqdm
 from trae_groups.engine.batcher import BatcherConfig
 from trae_groups.engine.clients import LocalEncoder, LocalLLM
 from trae_groups.engine.config import DTYPES, EngineConfig
-from trae_groups.engine.encoder_runner import PAIR_TASKS
 from trae_groups.engine.encoder_worker import EncoderWorker
 from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.errors import ModelLoadError
@@ -230,11 +229,9 @@ class ModelRuntime:
             member = (name, version, spec, path, head, loaded)
             # one backbone may carry a pooler that another head's copy leaves out
             vocab = loaded.tokenizer.get_vocab()
-            pairs = spec.task in PAIR_TASKS  # pair items cannot share a batch with texts
             group = next(
                 (g for g in groups
-                 if (ptrs <= g[0] or g[0] <= ptrs) and g[1][0][-1].tokenizer.get_vocab() == vocab
-                 and (g[1][0][2].task in PAIR_TASKS) == pairs),
+                 if (ptrs <= g[0] or g[0] <= ptrs) and g[1][0][-1].tokenizer.get_vocab() == vocab),
                 None,
             )  # fmt: skip
             if group is None:

@@ -102,7 +102,9 @@ ENCODER_WORDS = ["hello", "world", "order", "refund", "paris", "london", "john",
 
 
 def build_encoder(folder: Path, task: str, labels: list[str], seed: int = 0) -> Path:
-    """A tiny BERT (classify / tag / embed) with a WordPiece vocabulary, saved to disk."""
+    """A tiny BERT (classify / tag / embed / rerank) with a WordPiece vocabulary, saved to
+    disk. A rerank model is a cross-encoder: sequence classification, one label per
+    entry of ``labels`` (one label: the relevance logit)."""
     from transformers import (
         BertConfig,
         BertForSequenceClassification,
@@ -116,7 +118,8 @@ def build_encoder(folder: Path, task: str, labels: list[str], seed: int = 0) -> 
     vocab += ["##" + c for c in chars]
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizerFast(vocab_file=str(folder / "vocab.txt")).save_pretrained(folder)
+    # `vocab=`: transformers 5 ignores `vocab_file` and every word would be [UNK]
+    BertTokenizerFast(vocab=str(folder / "vocab.txt")).save_pretrained(folder)
     config = BertConfig(
         vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=64, max_position_embeddings=64,
@@ -124,6 +127,12 @@ def build_encoder(folder: Path, task: str, labels: list[str], seed: int = 0) -> 
     )  # fmt: skip
     torch.manual_seed(seed)
     cls = {"classify": BertForSequenceClassification, "tag": BertForTokenClassification,
-           "embed": BertModel}[task]  # fmt: skip
-    cls(config).save_pretrained(folder)
+           "embed": BertModel, "rerank": BertForSequenceClassification}[task]  # fmt: skip
+    model = cls(config)
+    if task == "rerank":  # random init scores every pair alike: sharpen so scores spread
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() == 2 and "embeddings" not in name:
+                    p.mul_(10.0)
+    model.save_pretrained(folder)
     return folder

@@ -162,3 +162,52 @@ def _line() -> int:
     import sys
 
     return sys._getframe(1).f_lineno
+
+
+RERANK_YAML = """\
+name: search
+models:
+  rr: {source: ./rr, task: rerank}
+  emb: {source: ./emb, task: embed}
+inputs:
+  q: str
+  docs: list[str]
+nodes:
+  vector: {model: emb, input: "{{ inputs.q }}", pooling: cls, normalize: true}
+  rank: {model: rr, query: "{{ inputs.q }}", documents: "{{ inputs.docs }}", after: [vector],
+         timeout: 2s}
+outputs: {top: rank.top, scores: rank.scores, vector: vector.embedding}
+"""
+
+
+def test_every_registered_kind_is_a_method_and_rerank_matches_yaml():
+    from trae_groups.graphs.nodes import KINDS
+
+    group = ModelGroup("search")
+    assert all(callable(getattr(group, kind)) for kind in KINDS)
+    assert set(KINDS) <= set(dir(group))
+    with pytest.raises(AttributeError):
+        _ = group.summarize
+    group.add_model("rr", path="./rr", task="rerank")
+    group.add_model("emb", path="./emb", task="embed")
+    q = group.input("q", str)
+    docs = group.input("docs", list[str])
+    vector = group.embed("vector", model="emb", input=q, pooling="cls", normalize=True)
+    rank = group.rerank("rank", model="rr", query=q, documents=docs, after=[vector], timeout="2s")
+    group.output("top", rank.top)
+    group.output("scores", rank.scores)
+    group.output("vector", vector.embedding)
+    assert group.spec() == load_graph_text(RERANK_YAML, "search.yaml")
+
+
+def test_the_generic_node_call_and_its_errors_name_the_dsl_line():
+    group = ModelGroup("g")
+    group.add_model("rr", path="./rr", task="rerank")
+    q = group.input("q", str)
+    group.node("rank", "rerank", model="rr", query=q, documents=q, colour="red")
+    line = test_the_generic_node_call_and_its_errors_name_the_dsl_line.__code__.co_firstlineno + 4
+    group.output("top", Ref("rank").top)
+    with pytest.raises(GraphValidationError) as caught:
+        group.spec()
+    (issue,) = caught.value.issues
+    assert (issue.line, issue.node) == (line, "rank") and "colour" in issue.message

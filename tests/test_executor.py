@@ -258,6 +258,35 @@ def test_cancel_mid_generation_returns_every_page(model_dirs):
         rt.shutdown()
 
 
+TWO_REPLIES = """
+name: two
+models:
+  dialog: {{source: {dialog}, task: generate}}
+inputs: {{text: str}}
+nodes:
+  short: {{model: dialog, prompt: "{{{{ inputs.text }}}}", params: {{max_tokens: 3}}}}
+  long: {{model: dialog, prompt: "User: {{{{ inputs.text }}}}", params: {{max_tokens: 6}}}}
+outputs: {{short: short.text, long: long.text}}
+"""
+
+
+def test_two_generate_nodes_of_one_request_on_one_model(model_dirs):
+    """Each node's engine work has its own id (request id / node): the second was
+    refused as 'already running' when both used the request's id."""
+    spec = load_graph_text(TWO_REPLIES.format(dialog=model_dirs["dialog"]), "two.yaml")
+    rt, executor = runtime_for(spec)
+    try:
+        result = asyncio.run(executor.run({"text": "hello world"}))
+        assert all(r.status == "ok" for r in result.nodes.values()), result.nodes
+        dialog = rt.engine.llms["dialog"]
+        for node, prompt, n in (("short", "hello world", 3), ("long", "User: hello world", 6)):
+            solo = rt.engine.generate([prompt], SamplingParams(max_tokens=n), model=dialog.name)
+            assert result.outputs[node] == solo[0].text
+        assert rt.engine.pool.stats().used_pages == 0
+    finally:
+        rt.shutdown()
+
+
 def test_stream_events_in_order(model_dirs):
     spec = load_graph_text(support_yaml(model_dirs), "support.yaml")
     rt, executor = runtime_for(spec)

@@ -8,6 +8,11 @@
     group.output("intent", intent.label)
     spec = group.spec()
 
+Every node kind of the registry (graphs/nodes.py ``KINDS``) is a method:
+``group.<kind>(name, **fields)`` (or ``group.node(name, kind, **fields)``), so a new
+kind needs nothing here. ``generate`` and ``python`` add conveniences (sampling
+parameters as keywords; a function itself for its name).
+
 A node handle's attributes are references (`intent.label`); in an f-string a
 reference becomes the template `{{ intent.label }}`. Errors come from `spec()`,
 with the file and line of the DSL call that declared the offending part.
@@ -23,10 +28,13 @@ from typing import Any
 
 from trae_groups.graphs.errors import Location, SourceMap, ValidationIssue
 from trae_groups.graphs.loader import parse_graph
+from trae_groups.graphs.nodes import KINDS, NodeBase
 from trae_groups.graphs.spec import GraphSpec
 
 _PYTHON_TYPES: dict[Any, str] = {str: "str", int: "int", float: "float", bool: "bool"}
 _PYTHON_TYPES[list[str]] = "list[str]"
+#: What every node kind takes (when, after, optional, timeout, on_error, ...).
+_COMMON = frozenset(NodeBase.model_fields)
 
 
 class Ref:
@@ -109,17 +117,27 @@ class ModelGroup:
 
     # ------------------------------------------------------------ nodes
 
-    def classify(self, name: str, *, model: str, input: Ref | str, **common: Any) -> Ref:
-        """Sequence classification; result {label, score, scores, truncated}."""
-        return self._node(name, "classify", {"model": model, "input": _template(input)}, common)
+    def node(self, name: str, kind: str, **fields: Any) -> Ref:
+        """A node of any kind the registry knows (graphs/nodes.py ``KINDS``), its
+        fields as keywords, as in YAML; a reference given for a field becomes its
+        template. ``group.<kind>(name, ...)`` is the same call, for every kind:
+        ``group.rerank("rank", model="rr", query=q, documents=docs)``."""
+        common = {key: fields.pop(key) for key in list(fields) if key in _COMMON}
+        return self._node(name, kind, _template_values(fields), common)
 
-    def tag(self, name: str, *, model: str, input: Ref | str, **common: Any) -> Ref:
-        """Token classification; result {spans, truncated}."""
-        return self._node(name, "tag", {"model": model, "input": _template(input)}, common)
+    def __getattr__(self, kind: str) -> Callable[..., Ref]:
+        if kind.startswith("_") or kind not in KINDS:
+            raise AttributeError(f"{type(self).__name__!r} has no attribute {kind!r}")
 
-    def embed(self, name: str, *, model: str, input: Ref | str, **common: Any) -> Ref:
-        """Embedding (options pooling="mean"|"cls", normalize); result {embedding, dim, truncated}."""
-        return self._node(name, "embed", {"model": model, "input": _template(input)}, common)
+        def add(name: str, **fields: Any) -> Ref:
+            return self.node(name, kind, **fields)
+
+        add.__name__ = add.__qualname__ = kind
+        add.__doc__ = f"A {kind} node: {KINDS[kind].doc}.\n\n{KINDS[kind].spec.__doc__ or ''}"
+        return add
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *KINDS})
 
     def generate(
         self,

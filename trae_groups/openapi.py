@@ -1,5 +1,6 @@
 """The OpenAPI 3.1 document at ``/openapi.json``, built per request from what is served
-now: each graph's path carries its own input schema and output names, and ``model``
+now: each graph's path carries its own input schema, output names and typed outputs
+(each node kind's result schema, graphs/nodes.py), and ``model``
 lists the ids the OpenAI routes take, so clients and property-based tests
 (tests/test_http_schema.py) see the exact shapes.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from trae_groups import __version__
 from trae_groups.app_state import AppState, ServedGraph
-from trae_groups.graph_api import RunRequest, input_schema
+from trae_groups.graph_api import RunRequest, input_schema, output_schema
 from trae_groups.openai_api import ChatCompletionRequest, CompletionRequest, targets
 
 REF = "#/components/schemas/{model}"
@@ -71,7 +72,7 @@ def openapi_document(state: AppState) -> dict:
         components.update(defs)
         paths[f"/v1/graphs/{name}"] = {
             "get": _op(f"Describe graph {name}", {"200": _ok("graph")}),
-            "post": _run(schema, f"Run graph {name}"),
+            "post": _run(schema, f"Run graph {name}", output_schema(served.spec)),
         }
     paths.update(_openai_paths())
     components.update(_openai_components(state))
@@ -173,11 +174,15 @@ def _openai_paths() -> dict[str, dict]:
     }
 
 
-def _run(body_schema: dict, summary: str) -> dict:
+def _run(body_schema: dict, summary: str, outputs: dict | None = None) -> dict:
+    """A run operation; ``outputs``: one graph's typed outputs (else any graph's)."""
+    result: dict = {"$ref": "#/components/schemas/RunResult"}
+    if outputs is not None:
+        result = {**_RUN_RESULT, "properties": {**_RUN_RESULT["properties"], "outputs": outputs}}
     ok = {
         "description": "the result, or Server-Sent Events when stream is true",
         "content": {
-            **json_content({"$ref": "#/components/schemas/RunResult"}),
+            **json_content(result),
             "text/event-stream": {"schema": {"type": "string"}},
         },
     }
