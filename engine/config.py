@@ -28,6 +28,7 @@ class EngineConfig:
     # step, so a long prompt never keeps them out; None: max_num_batched_tokens // 4
     long_prefill_token_threshold: int | None = None
     max_prompt_tokens: int | None = None  # longer prompts are refused; None: max_model_len - 1
+    max_tokens_limit: int | None = None  # a request asking to generate more is refused
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_cache: bool = True
     fast_linear: bool = True  # oneDNN pre-packed linears on CPU, when available
@@ -45,7 +46,7 @@ class EngineConfig:
         for name in ("tokens_per_page", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
-        for name in ("long_prefill_token_threshold", "max_prompt_tokens"):
+        for name in ("long_prefill_token_threshold", "max_prompt_tokens", "max_tokens_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 (or None)")
         if self.scheduling not in ("graph", "fifo"):

@@ -108,10 +108,11 @@ class LLMEngine:
         cache_key=None,
         max_num_seqs: int | None = None,
         max_prompt_tokens: int | None = None,
+        max_tokens_limit: int | None = None,
     ) -> LLMWorker:
         """Load a causal LM (or take one already loaded with our attention) onto the
-        engine; ``max_num_seqs`` and ``max_prompt_tokens`` override the engine's for
-        this model."""
+        engine; ``max_num_seqs``, ``max_prompt_tokens`` and ``max_tokens_limit``
+        override the engine's for this model."""
         if name in self.loop.workers:
             raise ValueError(f"a model named {name!r} is already on this engine")
         if model is None:
@@ -128,6 +129,8 @@ class LLMEngine:
             config = dataclasses.replace(config, max_num_seqs=max_num_seqs)
         if max_prompt_tokens is not None:
             config = dataclasses.replace(config, max_prompt_tokens=max_prompt_tokens)
+        if max_tokens_limit is not None:
+            config = dataclasses.replace(config, max_tokens_limit=max_tokens_limit)
         worker = LLMWorker(
             name,
             model,

@@ -67,6 +67,7 @@ class LLMWorker(Worker):
         text_config = model.config.get_text_config()
         model_len = getattr(text_config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(config.max_model_len or model_len, model_len)
+        self.max_tokens_limit = config.max_tokens_limit
         self.max_prompt_tokens = min(
             config.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1
         )
@@ -142,6 +143,12 @@ class LLMWorker(Worker):
                 "prompt",
                 f"has {len(tokens)} tokens; model {self.name!r} takes at most "
                 f"{self.max_prompt_tokens} (max_prompt_tokens)",
+            )
+        if self.max_tokens_limit is not None and params.max_tokens > self.max_tokens_limit:
+            raise RequestError(
+                "max_tokens",
+                f"asks for {params.max_tokens}; model {self.name!r} generates at most "
+                f"{self.max_tokens_limit} per request (max_tokens_limit)",
             )
         pages = self.scheduler.pages_needed(len(tokens) + 1)
         if pages > self.pool.num_pages:

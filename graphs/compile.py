@@ -111,6 +111,17 @@ def _check_model(walk: _Walk, name: str, node: NodeSpec) -> None:
         if node.model not in walk.excused.models and "models" not in walk.excused.sections:
             hint = _suggest(node.model, walk.spec.models)
             walk.add(path, f"unknown model '{node.model}'{hint}", name)
+    elif (
+        model.max_tokens_limit is not None
+        and node.kind == "generate"
+        and node.params.max_tokens > model.max_tokens_limit
+    ):
+        walk.add(
+            ("nodes", name, "params", "max_tokens"),
+            f"max_tokens {node.params.max_tokens} is over model '{node.model}''s "
+            f"max_tokens_limit ({model.max_tokens_limit})",
+            name,
+        )
     elif model.task not in KIND_TASKS[node.kind]:
         walk.add(
             path,

@@ -169,9 +169,11 @@ class ModelRuntime:
 
     # -- models ------------------------------------------------------------------------
     def _key(self, spec: ModelSpec, path: Path) -> tuple:
-        """What makes two model entries one loaded model: folder, task and dtype."""
+        """What makes two model entries one loaded model: folder, task, dtype and the
+        per-request limits an LLM enforces (its weights are shared all the same)."""
         dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
-        return (str(Path(path).resolve()), spec.task, dtype)
+        limits = (spec.max_prompt_tokens, spec.max_tokens_limit)
+        return (str(Path(path).resolve()), spec.task, dtype, *limits)
 
     def _load(self, path: Path, task: str, name: str, **kwargs: Any):
         """One model through the weight store, with a log line (and a tick of the load
@@ -204,7 +206,8 @@ class ModelRuntime:
                             attn_implementation=ATTN_NAME)  # fmt: skip
         worker = self.engine.add_llm(
             worker_name, path, model=loaded.model, tokenizer=loaded.tokenizer,
-            max_num_seqs=spec.max_batch_size,
+            max_num_seqs=spec.max_batch_size, max_prompt_tokens=spec.max_prompt_tokens,
+            max_tokens_limit=spec.max_tokens_limit,
         )  # fmt: skip
         client = LocalLLM(worker, lambda: self.engine.loop.running)
         self._by_key[key] = _Loaded(client, worker, str(path))

@@ -84,6 +84,8 @@ class ModelSpec(Spec):
     max_batch_size: int | None = Field(None, gt=0)
     max_queue_delay_ms: float | None = Field(None, ge=0)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+    max_prompt_tokens: int | None = Field(None, gt=0)  # generate models: longer prompts refused
+    max_tokens_limit: int | None = Field(None, gt=0)  # generate models: the most one request asks
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -103,6 +105,9 @@ class ModelSpec(Spec):
                 raise ValueError(f"route weights must sum to 100, not {sum(self.route.values()):g}")
         if self.sticky is not None and self.versions is None:
             raise ValueError("'sticky' needs 'versions'")
+        limits = [f for f in ("max_prompt_tokens", "max_tokens_limit") if getattr(self, f)]
+        if limits and self.task != "generate":
+            raise ValueError(f"{limits[0]} is for generate models, not {self.task}")
         return self
 
     @property

@@ -270,7 +270,7 @@ async def chat_completions(request: Request) -> Response:
         start = _GraphCall.factory(target, messages, body.user)
     else:
         max_tokens = body.max_completion_tokens or body.max_tokens
-        params = _params(body, max_tokens, constraint)
+        params = _params(body, target, max_tokens, constraint)
         tools = body.shown()
         start = _LLMCall.factory(target, params, messages=messages, user=body.user, tools=tools)
     calls = forced or (body.tools if body.tool_choice != "none" else None)
@@ -290,7 +290,7 @@ async def completions(request: Request) -> Response:
         if len(prompt) != 1:
             raise HTTPError(422, "prompt: one prompt per request", field="prompt")
         prompt = prompt[0]
-    params = _params(body, body.max_tokens, constraint)
+    params = _params(body, target, body.max_tokens, constraint)
     start = _LLMCall.factory(target, params, prompt=prompt, user=body.user)
     return await _respond(request, state, target, body, start, chat=False)
 
@@ -365,13 +365,14 @@ def _for_an_llm(target: Target, route: str, structured: bool) -> None:
 
 
 def _params(
-    body: _Sampling, max_tokens: int | None, constraint: Constraint | None = None
+    body: _Sampling, target: Target, max_tokens: int | None, constraint: Constraint | None = None
 ) -> SamplingParams:
     """Checked now, before admission (RequestError is a 422). No max_tokens: the
-    engine's default."""
+    engine's default, or the model's ``max_tokens_limit`` when that is lower."""
     default = SamplingParams.__dataclass_fields__["max_tokens"].default
+    limit = target.served.spec.models[target.model].max_tokens_limit or default
     return SamplingParams(
-        max_tokens=max_tokens or default,
+        max_tokens=max_tokens or min(default, limit),
         temperature=body.temperature,
         top_k=body.top_k,
         top_p=body.top_p,
