@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import signal
 import threading
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from trae_groups.cluster.engine_group import CHUNK_INTERVAL_S, EngineGroup
 from trae_groups.cluster.ingress import GraphSource, Ingress
 from trae_groups.engine.config import EngineConfig
 from trae_groups.graphs.deploy import GroupSpec
+from trae_groups.graphs.functions import ENV_VAR as ALLOWED_ENV
 from trae_groups.graphs.loader import load_graph
 from trae_groups.graphs.spec import GraphSpec
 
@@ -52,9 +54,16 @@ def graph_source(path: str | Path) -> tuple[GraphSpec, GraphSource]:
     return load_graph(path), (path.read_text(encoding="utf-8"), str(path), str(path.parent))
 
 
+def _env() -> dict[str, Any]:
+    """What replicas must see of this process's environment: the operator's allow list
+    of python-node functions (graphs/functions.py), read when a graph is checked."""
+    allowed = os.environ.get(ALLOWED_ENV)
+    return {"runtime_env": {"env_vars": {ALLOWED_ENV: allowed}}} if allowed is not None else {}
+
+
 def group_options(group: GroupSpec, options: ClusterOptions) -> dict[str, Any]:
     """Serve deployment options of one engine group, from the graph's deploy section."""
-    actor: dict[str, Any] = {"num_cpus": group.num_cpus}
+    actor: dict[str, Any] = {"num_cpus": group.num_cpus, **_env()}
     if group.num_gpus:
         actor["num_gpus"] = group.num_gpus
     if group.memory:
@@ -117,7 +126,7 @@ def build(
         name="ingress",
         num_replicas=ingress.replicas,
         max_ongoing_requests=limit,
-        ray_actor_options={"num_cpus": ingress.num_cpus},
+        ray_actor_options={"num_cpus": ingress.num_cpus, **_env()},
         graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
         graceful_shutdown_wait_loop_s=options.graceful_shutdown_wait_loop_s,
     )
