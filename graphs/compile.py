@@ -144,14 +144,16 @@ def _check_templates(walk: _Walk, name: str, node: NodeSpec | Mapping[str, Any])
         for problem in info.problems:
             walk.add(path, problem.message, name, problem.line)
         for ref in info.references:
-            message = _reference_problem(walk, name, ref.root, ref.field)
+            message = _reference_problem(walk, name, ref.root, ref.field, ref.path)
             if message:
                 walk.add(path, message, name, ref.line)
             elif ref.root in walk.spec.nodes and ref.root != name and name in walk.spec.nodes:
                 walk.edges.append((ref.root, name, "reference"))
 
 
-def _reference_problem(walk: _Walk, name: str | None, root: str, attr: str | None) -> str | None:
+def _reference_problem(
+    walk: _Walk, name: str | None, root: str, attr: str | None, path: tuple[str, ...] = ()
+) -> str | None:
     spec, excused = walk.spec, walk.excused
     if root == "inputs":
         if attr is None or attr in spec.inputs or attr in excused.inputs:
@@ -163,6 +165,8 @@ def _reference_problem(walk: _Walk, name: str | None, root: str, attr: str | Non
         return "a node cannot reference itself"
     if root in spec.nodes:
         fields = RESULT_FIELDS[spec.nodes[root].kind]
+        if attr == "json" and spec.nodes[root].kind == "generate":
+            return _json_problem(root, spec.nodes[root].output_schema, path[1:])
         if attr is None or fields is None or attr in fields:
             return None
         kind = spec.nodes[root].kind
@@ -172,6 +176,22 @@ def _reference_problem(walk: _Walk, name: str | None, root: str, attr: str | Non
     return f"unknown name '{root}': not a node, and inputs are read as inputs.<name>" + _suggest(
         root, spec.nodes
     )
+
+
+def _json_problem(root: str, schema: Any, keys: tuple[str, ...]) -> str | None:
+    """A reference into a generate node's typed output names a field its schema has."""
+    if schema is None:
+        return f"generate node '{root}' has no output_schema: its result has no 'json'"
+    where = f"{root}.json"
+    for key in keys:
+        properties = schema.get("properties") if isinstance(schema, dict) else None
+        if properties is None:
+            return None  # the schema does not say: any key may be there
+        if key not in properties:
+            known = ", ".join(sorted(properties))
+            return f"'{where}' has no field '{key}' (fields: {known}){_suggest(key, properties)}"
+        schema, where = properties[key], f"{where}.{key}"
+    return None
 
 
 def _check_after(walk: _Walk, name: str, node: NodeSpec) -> None:
@@ -227,11 +247,12 @@ def _check_outputs(walk: _Walk) -> None:
         walk.add(("outputs",), "the graph declares no outputs")
     for key, reference in spec.outputs.items():
         root, _, rest = reference.partition(".")
-        attr = rest.split(".")[0] if rest else None
+        path = tuple(rest.split(".")) if rest else ()
+        attr = path[0] if path else None
         if root == "inputs" and attr is None:
             message = "an output reads one input: inputs.<name>"
         else:
-            message = _reference_problem(walk, None, root, attr)
+            message = _reference_problem(walk, None, root, attr, path)
         if message:
             walk.add(("outputs", key), f"output '{key}': {message}")
 

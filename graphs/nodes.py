@@ -14,14 +14,16 @@ new model task) its head in the engine.
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import anyio
-from pydantic import Discriminator, Field, JsonValue, Tag, model_validator
+from pydantic import Discriminator, Field, JsonValue, PrivateAttr, Tag, model_validator
 
+from trae_groups.engine.constraints import Constraint
 from trae_groups.engine.errors import RequestError
 from trae_groups.engine.protocol import (
     EncodeOptions,
@@ -247,7 +249,9 @@ Messages = Annotated[
 
 
 class GenerateNode(NodeBase):
-    """Causal LM: result {text, tokens, finish_reason}.
+    """Causal LM: result {text, tokens, finish_reason}, and ``json`` (the parsed
+    object) when the node declares an ``output_schema``: a JSON Schema the output is
+    constrained to, so that downstream nodes read typed fields (``extract.json.id``).
 
     `prompt` is a template; or `messages` is a list of {role, content template}, or
     one template that yields a message list (e.g. "{{ inputs.history }}"). Messages
@@ -260,6 +264,8 @@ class GenerateNode(NodeBase):
     prompt: str | None = None
     messages: Messages | None = None
     params: GenerateParams = GenerateParams()
+    output_schema: dict[str, JsonValue] | None = None
+    _sampling: SamplingParams | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GenerateNode:
@@ -267,8 +273,23 @@ class GenerateNode(NodeBase):
             raise ValueError("a generate node needs exactly one of 'prompt' or 'messages'")
         return self
 
+    @model_validator(mode="after")
+    def _schema_compiles(self) -> GenerateNode:
+        if self.output_schema is not None:
+            try:
+                self.sampling()  # checked (and compiled to a grammar) once, at load
+            except RequestError as exc:
+                raise ValueError(f"output_schema: {exc.message}") from None
+        return self
+
     def sampling(self) -> SamplingParams:
-        return SamplingParams(**{**self.params.model_dump(), "stop": tuple(self.params.stop)})
+        """The engine's parameters for this node (made once: a spec never changes)."""
+        if self._sampling is None:
+            fields = {**self.params.model_dump(), "stop": tuple(self.params.stop)}
+            if self.output_schema is not None:
+                fields["constraint"] = Constraint.json_schema(self.output_schema)
+            self._sampling = SamplingParams(**fields)
+        return self._sampling
 
     def check_rendered(self, payload: dict[str, Any]) -> dict[str, Any]:
         messages = payload.get("messages")
@@ -324,12 +345,20 @@ async def _generate(call: NodeCall) -> dict:
         raise RuntimeError(last.error if last else "no output")
     if last.finish_reason == "abort":
         raise RuntimeError("generation was aborted")
-    return {
+    result = {
         "text": "".join(pieces),
         "tokens": last.completion_tokens,
         "finish_reason": last.finish_reason,
         "prompt_tokens": last.prompt_tokens,
     }
+    if node.output_schema is not None:
+        if last.finish_reason != "stop":
+            raise RuntimeError(
+                f"the output stopped ({last.finish_reason}) before it completed its "
+                f"output_schema; raise max_tokens ({node.params.max_tokens})"
+            )
+        result["json"] = json.loads(result["text"])
+    return result
 
 
 # ---------------------------------------------------------------- python
@@ -391,7 +420,8 @@ KINDS: dict[str, NodeKind] = {
         NodeKind(
             "generate", GenerateNode, "generate",
             {"text": {"type": "string"}, "tokens": {"type": "integer"},
-             "finish_reason": {"type": "string"}},
+             "finish_reason": {"type": "string"},
+             "json": {"description": "the parsed output, with an output_schema"}},
             _generate, "a causal LM's reply",
         ),
         NodeKind("python", PythonNode, None, None, _python, "a user function"),

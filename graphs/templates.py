@@ -47,11 +47,13 @@ _TOO_DEEP = f"template nested too deeply (more than {MAX_DEPTH} levels)"
 
 @dataclass(frozen=True)
 class TemplateRef:
-    """A name a template reads: `intent.label` is ("intent", "label", line)."""
+    """A name a template reads: `intent.label` is ("intent", "label", line); ``path``
+    is every name after the root (`extract.json.order_id`: ("json", "order_id"))."""
 
     root: str
     field: str | None
     line: int
+    path: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -133,15 +135,30 @@ def _forbidden(ast: nodes.Template) -> Iterator[TemplateProblem]:
 def _references(ast: nodes.Template, free: set[str]) -> Iterator[TemplateRef]:
     fielded: set[str] = set()
     for node in ast.find_all((nodes.Getattr, nodes.Getitem)):
-        if isinstance(node.node, nodes.Name) and node.node.name in free:
-            attr = node.attr if isinstance(node, nodes.Getattr) else _const(node.arg)
-            if isinstance(attr, str):
-                fielded.add(node.node.name)
-                yield TemplateRef(node.node.name, attr, node.lineno)
+        root, path = _chain(node)
+        if root in free and path:
+            fielded.add(root)
+            yield TemplateRef(root, path[0], node.lineno, path)
     for node in ast.find_all(nodes.Name):
         if node.name in free and node.name not in fielded:
             fielded.add(node.name)
             yield TemplateRef(node.name, None, node.lineno)
+
+
+def _chain(node: nodes.Node) -> tuple[str | None, tuple[str, ...]]:
+    """The root name of `a.b["c"].d` and its string names (up to the first that is not)."""
+    steps: list[Any] = []
+    while isinstance(node, nodes.Getattr | nodes.Getitem):
+        steps.append(node.attr if isinstance(node, nodes.Getattr) else _const(node.arg))
+        node = node.node
+    if not isinstance(node, nodes.Name):
+        return None, ()
+    path: list[str] = []
+    for step in reversed(steps):
+        if not isinstance(step, str):
+            break
+        path.append(step)
+    return node.name, tuple(path)
 
 
 def _const(node: nodes.Node) -> Any:

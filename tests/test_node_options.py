@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from conftest import build_encoder, build_llm
 from trae_groups.engine import EngineConfig, SamplingParams
+from trae_groups.engine.constraints import Constraint
 from trae_groups.engine.protocol import EncodeOptions
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.nodes import KINDS, GenerateParams, NodeBase
@@ -49,6 +50,10 @@ ROWS: dict[str, dict[str, Any]] = {
     "python": {},
 }
 GENERATE_MAX = 4  # every generate row's max_tokens, but the max_tokens row's own
+#: kind -> node-level option (beside ``params``) -> a value that is not its default.
+NODE_ROWS: dict[str, dict[str, Any]] = {
+    "generate": {"output_schema": {"enum": ["yes", "no"]}},
+}
 
 
 def documented_options(kind: str) -> set[str]:
@@ -70,7 +75,7 @@ def documented_options(kind: str) -> set[str]:
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_every_documented_option_has_a_row(kind):
     assert kind in ROWS, f"node kind {kind!r} has no row in this test's table"
-    assert set(ROWS[kind]) == documented_options(kind)
+    assert set(ROWS[kind]) | set(NODE_ROWS.get(kind, {})) == documented_options(kind)
 
 
 def test_generate_rows_are_every_params_field_and_not_defaults():
@@ -121,7 +126,10 @@ def runtime(dirs):
 def graph_text(name: str, kind: str, dirs, options: dict[str, Any]) -> str:
     node: dict[str, Any] = {"model": MODELS[kind], **TEMPLATES[kind]}
     if kind == "generate":
-        node["params"] = {"max_tokens": GENERATE_MAX, **options}
+        node_level = {k: v for k, v in options.items() if k in NODE_ROWS["generate"]}
+        params = {k: v for k, v in options.items() if k not in node_level}
+        node["params"] = {"max_tokens": GENERATE_MAX, **params}
+        node.update(node_level)
     else:
         node.update(options)
     inputs: dict[str, Any] = {"text": "str"}
@@ -184,6 +192,21 @@ def test_each_generate_option_reaches_the_engine(runtime, dirs, monkeypatch, opt
     assert out["tokens"] <= expected.max_tokens
     if option == "max_tokens" and out["finish_reason"] == "length":
         assert out["tokens"] == value
+
+
+def test_output_schema_reaches_the_engine_as_a_constraint(runtime, dirs, monkeypatch):
+    schema = NODE_ROWS["generate"]["output_schema"]
+    result, calls = run_graph(
+        runtime,
+        dirs,
+        "generate",
+        {"output_schema": schema, "max_tokens": 16},
+        "g_schema",
+        monkeypatch,
+    )
+    assert received_params(calls).constraint == Constraint.json_schema(schema)
+    out = result.outputs["out"]
+    assert out["json"] in ("yes", "no") and out["text"] == f'"{out["json"]}"'
 
 
 def test_generate_defaults_reach_the_engine_as_the_engines_defaults(runtime, dirs, monkeypatch):

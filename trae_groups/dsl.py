@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from trae_groups.graphs.errors import Location, SourceMap, ValidationIssue
 from trae_groups.graphs.loader import parse_graph
 from trae_groups.graphs.nodes import KINDS, NodeBase
@@ -153,17 +155,22 @@ class ModelGroup:
         on_error: str = "fail",
         default: Any = None,
         description: str | None = None,
+        output_schema: Any = None,
         **params: Any,
     ) -> Ref:
         """Causal LM from a prompt or chat messages; sampling parameters as keywords
-        (``max_tokens=64``) or as one ``params={...}`` mapping, as in YAML."""
+        (``max_tokens=64``) or as one ``params={...}`` mapping, as in YAML.
+        ``output_schema``: a JSON Schema, or a pydantic model class (its schema)."""
         if isinstance(params.get("params"), Mapping):
             params = {**params.pop("params"), **params}
+        if isinstance(output_schema, type) and issubclass(output_schema, BaseModel):
+            output_schema = output_schema.model_json_schema()
         fields = {
             "model": model,
             "prompt": None if prompt is None else _template(prompt),
             "messages": _messages(messages),
             "params": params or None,
+            "output_schema": output_schema,
         }
         common = {"when": when, "after": after, "optional": optional, "timeout": timeout}
         common |= {"on_error": on_error, "default": default, "description": description}

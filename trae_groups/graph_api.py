@@ -144,12 +144,22 @@ def output_schema(spec: GraphSpec) -> dict:
             schema = dict(inputs.get(rest[0], {})) if rest else {}
         elif not rest:
             schema = {"type": "object"} if spec.nodes[root].kind != "python" else {}
+        elif rest[0] == "json" and getattr(spec.nodes[root], "output_schema", None):
+            schema = typed(spec.nodes[root].output_schema, rest[1:])
         elif len(rest) == 1:
             schema = dict((KINDS[spec.nodes[root].kind].result or {}).get(rest[0], {}))
         else:
             schema = {}
         properties[name] = {"anyOf": [schema, {"type": "null"}]} if schema else {}
     return {"type": "object", "properties": properties, "required": list(spec.outputs)}
+
+
+def typed(schema: dict, keys: list[str]) -> dict:
+    """The schema of ``keys`` inside a generate node's output_schema ({} if it does not
+    say: a load-time check already refused keys the schema does not have)."""
+    for key in keys:
+        schema = (schema.get("properties") or {}).get(key, {}) if isinstance(schema, dict) else {}
+    return dict(schema) if isinstance(schema, dict) else {}
 
 
 def describe(served: ServedGraph) -> dict:

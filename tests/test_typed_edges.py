@@ -1,0 +1,121 @@
+"""Typed JSON edges: a generate node with an output_schema yields parsed JSON that
+downstream templates, conditions and outputs read by field, checked at load."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pydantic import BaseModel, Field
+
+from conftest import build_llm
+from trae_groups.engine import EngineConfig
+from trae_groups.graph_api import output_schema
+from trae_groups.graphs.errors import GraphValidationError, NodeError
+from trae_groups.graphs.loader import load_graph_text
+from trae_groups.graphs.runtime import ModelRuntime
+
+GRAPH = """
+name: orders
+models:
+  llm: {{source: {root}/llm, task: generate}}
+inputs: {{text: str}}
+nodes:
+  extract:
+    model: llm
+    prompt: "Extract the order from: {{{{ inputs.text }}}}"
+    output_schema:
+      type: object
+      properties:
+        order_id: {{type: integer, minimum: 0, maximum: 9999}}
+        status: {{enum: [late, lost]}}
+      required: [order_id, status]
+      additionalProperties: false
+    params: {{max_tokens: {max_tokens}}}
+  answer:
+    model: llm
+    when: "extract.json.status == 'late' or extract.json.status == 'lost'"
+    prompt: "Order {{{{ extract.json.{field} }}}} is {{{{ extract.json.status }}}}."
+    params: {{max_tokens: 3}}
+outputs: {{order: extract.json.order_id, status: extract.json.status, answer: answer.text}}
+"""
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("typed")
+    build_llm(root / "llm", "llama")
+    return root
+
+
+def spec_for(root, field="order_id", max_tokens=40):
+    return load_graph_text(GRAPH.format(root=root, field=field, max_tokens=max_tokens), "o.yaml")
+
+
+def run(spec, text):
+    runtime = ModelRuntime.for_specs([spec], EngineConfig(pool_bytes=8 << 20, fast_linear=False))
+    executor = runtime.bind(spec)
+    runtime.start()
+    try:
+        return asyncio.run(executor.run({"text": text}))
+    finally:
+        runtime.shutdown()
+
+
+def test_downstream_nodes_read_the_parsed_fields(root):
+    result = run(spec_for(root), "order 1234 never came")
+    assert isinstance(result.outputs["order"], int) and 0 <= result.outputs["order"] <= 9999
+    assert result.outputs["status"] in ("late", "lost")
+    assert result.nodes["answer"].status == "ok"  # the condition read extract.json.status
+
+
+def test_a_reference_to_a_field_the_schema_lacks_is_refused_at_load(root):
+    with pytest.raises(GraphValidationError) as err:
+        spec_for(root, field="order")
+    (issue,) = err.value.issues
+    assert issue.node == "answer" and issue.line == 21  # the prompt that reads it
+    assert "'extract.json' has no field 'order' (fields: order_id, status)" in issue.message
+    assert "did you mean 'order_id'?" in issue.message
+
+
+def test_json_of_a_node_without_a_schema_and_a_bad_schema_are_refused(root):
+    text = GRAPH.format(root=root, field="order_id", max_tokens=40)
+    untyped = text.replace("extract.json.order_id }}", "answer.json.x }}").replace(
+        "answer: answer.text", "answer: answer.text, x: answer.json"
+    )
+    with pytest.raises(GraphValidationError, match="has no output_schema"):
+        load_graph_text(untyped, "o.yaml")
+    broken = text.replace("type: integer, minimum: 0", "type: 12, minimum: 0")
+    with pytest.raises(GraphValidationError, match="output_schema"):
+        load_graph_text(broken, "o.yaml")
+
+
+def test_an_output_cut_by_max_tokens_fails_the_node_clearly(root):
+    with pytest.raises(NodeError, match="before it completed its output_schema"):
+        run(spec_for(root, max_tokens=3), "order 1234")
+
+
+def test_the_graph_api_shows_the_typed_outputs(root):
+    schema = output_schema(spec_for(root))["properties"]
+    assert schema["order"] == {
+        "anyOf": [{"type": "integer", "minimum": 0, "maximum": 9999}, {"type": "null"}]
+    }
+    assert schema["status"] == {"anyOf": [{"enum": ["late", "lost"]}, {"type": "null"}]}
+
+
+def test_the_dsl_takes_a_pydantic_model(root):
+    from trae_groups import ModelGroup
+
+    class Order(BaseModel):
+        order_id: int = Field(ge=0, le=9999)
+
+    group = ModelGroup("orders")
+    group.add_model("llm", path=str(root / "llm"), task="generate")
+    text = group.input("text", str)
+    extract = group.generate("extract", model="llm", prompt=f"{text}", output_schema=Order)
+    group.output("order", extract.json.order_id)
+    spec = group.spec()
+    assert spec.nodes["extract"].output_schema == Order.model_json_schema()
+    with pytest.raises(GraphValidationError, match="has no field 'id'"):
+        group.output("bad", extract.json.id)
+        group.spec()
