@@ -45,7 +45,14 @@ def render(tokenizer: Any, messages: Sequence[dict], tools: list[dict] | None = 
     """The prompt text of chat messages (and function tools, for templates that show
     them): the tokenizer's chat template, or a plain transcript the model can continue
     when it has none."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if tools and "tools" not in str(template or ""):
+        raise RequestError(
+            "tools",
+            "the model's chat template does not show tools; tool_choice 'required' or a "
+            "named function constrains the reply to a call instead",
+        )
+    if not template:
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join(lines) + "\nassistant:"
     return tokenizer.apply_chat_template(

@@ -11,6 +11,7 @@ another's unknown reference.
 from __future__ import annotations
 
 import difflib
+import json
 import reprlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -75,6 +76,7 @@ def load_graph_text(
 def parse_graph(data: Any, source: SourceMap, issues: Iterable[ValidationIssue] = ()) -> GraphSpec:
     """Validate plain data (from YAML or the DSL) into a spec, or raise every issue."""
     issues = list(issues)
+    data = _schema_files(data, source, issues)
     spec, excused = _shape(data, source, issues)
     if spec is not None:
         raw_nodes = data.get("nodes") if isinstance(data.get("nodes"), dict) else {}
@@ -84,6 +86,32 @@ def parse_graph(data: Any, source: SourceMap, issues: Iterable[ValidationIssue] 
     if issues:
         raise GraphValidationError(_ordered(issues))
     return spec.with_source(source)
+
+
+def _schema_files(data: Any, source: SourceMap, issues: list[ValidationIssue]) -> Any:
+    """A generate node's ``output_schema: path/to/schema.json`` read in place (relative
+    to the graph file's folder), so the spec holds the schema itself."""
+    nodes = data.get("nodes") if isinstance(data, dict) else None
+    if not isinstance(nodes, dict):
+        return data
+    read = {}
+    for name, node in nodes.items():
+        schema = node.get("output_schema") if isinstance(node, dict) else None
+        if not isinstance(schema, str):
+            continue
+        path = Path(schema)
+        if not path.is_absolute() and source.base_dir is not None:
+            path = source.base_dir / path
+        where = ("nodes", name, "output_schema")
+        try:
+            read[name] = {**node, "output_schema": json.loads(path.read_text(encoding="utf-8"))}
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            issues.append(
+                source.issue(where, f"output_schema: cannot read {schema!r}: {reason}", name)
+            )
+            read[name] = {**node, "output_schema": {}}  # reported once, not again as a type
+    return {**data, "nodes": {**nodes, **read}} if read else data
 
 
 def _ordered(issues: list[ValidationIssue]) -> list[ValidationIssue]:

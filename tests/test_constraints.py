@@ -88,3 +88,22 @@ def test_one_compiled_matcher_per_constraint(engine):
     first, second = grammars.matcher(constraint), grammars.matcher(constraint)
     assert first is not second  # each sequence gets its own state
     assert list(grammars._compiled).count(constraint) == 1
+
+
+def test_32_concurrent_requests_with_different_schemas_beside_unconstrained_ones(engine):
+    fields = ["a", "b", "c", "d"]
+    schemas = [
+        {"type": "object", "properties": {fields[i % 4]: {"type": "integer", "minimum": 0,
+         "maximum": 10 ** (1 + i % 3)}}, "required": [fields[i % 4]], "additionalProperties": False}
+        for i in range(16)
+    ]  # fmt: skip
+    plain = SamplingParams(max_tokens=10, ignore_eos=True)
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(32)]
+    params = [SamplingParams(max_tokens=60, constraint=Constraint.json_schema(s)) for s in schemas]
+    outs = engine.generate(prompts, params + [plain] * 16)
+    for schema, out in zip(schemas, outs[:16], strict=True):
+        (field,) = schema["required"]
+        value = json.loads(out.text)[field]
+        assert isinstance(value, int) and 0 <= value <= schema["properties"][field]["maximum"]
+    alone = engine.generate(prompts[16:], plain)
+    assert [o.token_ids for o in outs[16:]] == [o.token_ids for o in alone]

@@ -143,6 +143,7 @@ def test_forced_tool_call_comes_back_as_tool_calls(client):
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
          "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tools"),  # this template shows no tools
     ],
 )  # fmt: skip
 def test_bad_structured_requests_are_422_naming_the_field(server, extra, field):
@@ -187,3 +188,23 @@ def test_embeddings_refuse_an_llm_and_llm_routes_refuse_an_embedder(server):
     assert httpx.post(f"{server.url}/v1/completions", json=body).status_code == 422
     empty = httpx.post(f"{server.url}/v1/embeddings", json={"model": "shop/emb", "input": []})
     assert empty.status_code == 422 and empty.json()["error"]["param"] == "input"
+
+
+def test_the_clients_parse_helper_and_streamed_json(client):
+    from pydantic import BaseModel, Field
+
+    class Order(BaseModel):
+        order_id: int = Field(ge=0, le=9999)
+        status: str = Field(pattern="^(late|lost)$")
+
+    parsed = client.beta.chat.completions.parse(
+        model="shop/llm", messages=USER, max_tokens=200, response_format=Order
+    )
+    order = parsed.choices[0].message.parsed
+    assert isinstance(order, Order) and order.status in ("late", "lost")
+    stream = client.chat.completions.create(
+        model="shop/llm", messages=USER, max_tokens=200, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": SCHEMA}},
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert set(json.loads(text)) == {"order_id", "status"}

@@ -119,3 +119,28 @@ def test_the_dsl_takes_a_pydantic_model(root):
     with pytest.raises(GraphValidationError, match="has no field 'id'"):
         group.output("bad", extract.json.id)
         group.spec()
+
+
+def test_an_output_schema_can_live_in_a_file_beside_the_graph(root, tmp_path):
+    import json
+
+    from trae_groups.graphs.loader import load_graph
+
+    (tmp_path / "order.json").write_text(json.dumps({"enum": ["late", "lost"]}))
+    text = (
+        "name: fromfile\n"
+        f"models:\n  llm: {{source: {root / 'llm'}, task: generate}}\n"
+        "inputs: {text: str}\n"
+        "nodes:\n"
+        '  status: {model: llm, prompt: "{{ inputs.text }}", output_schema: order.json}\n'
+        "outputs: {status: status.json}\n"
+    )
+    (tmp_path / "g.yaml").write_text(text)
+    assert load_graph(tmp_path / "g.yaml").nodes["status"].output_schema == {
+        "enum": ["late", "lost"]
+    }
+    (tmp_path / "bad.yaml").write_text(text.replace("order.json", "missing.json"))
+    with pytest.raises(GraphValidationError) as err:
+        load_graph(tmp_path / "bad.yaml")
+    (issue,) = err.value.issues
+    assert issue.line == 6 and "cannot read 'missing.json'" in issue.message

@@ -9,8 +9,9 @@ extensions (as vLLM names them) and tool calls, each turned into one engine
 - ``tools`` with ``tool_choice: "required"`` or a named function: the reply is one
   call, ``{"name": ..., "arguments": {...}}`` matching the function's ``parameters``,
   returned as ``message.tool_calls`` with ``finish_reason: "tool_calls"``. With
-  ``"auto"`` the tools go to the model's chat template and a reply that is exactly such
-  a call is returned as one; otherwise it is text. ``"none"``: the tools are not shown.
+  ``"auto"`` the tools go to the model's chat template (a 422 naming ``tools`` when
+  the template does not show tools) and a reply that is exactly such a call is
+  returned as one; otherwise it is text. ``"none"``: the tools are not shown.
 
 At most one of them per request (422 naming the field otherwise).
 """
@@ -138,8 +139,9 @@ class ToolFields(_Body):
         return chosen
 
     def shown(self) -> list[dict] | None:
-        """The tools the chat template shows the model (none with "none")."""
-        if not self.tools or self.tool_choice == "none":
+        """The tools the chat template shows the model, for it to decide ("auto"); a
+        forced call is constrained instead, and "none" hides them."""
+        if not self.tools or self.tool_choice not in (None, "auto"):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
