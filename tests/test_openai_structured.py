@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -208,3 +209,24 @@ def test_the_clients_parse_helper_and_streamed_json(client):
     )  # fmt: skip
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert set(json.loads(text)) == {"order_id", "status"}
+
+
+def test_a_dropped_stream_is_counted_as_499(server):
+    def dropped() -> float:
+        text = httpx.get(f"{server.url}/metrics").text
+        key = 'trae_openai_requests_total{code="499",endpoint="completions",model="shop/llm"}'
+        lines = [line for line in text.splitlines() if line.startswith(key)]
+        return float(lines[0].split()[-1]) if lines else 0.0
+
+    before = dropped()
+    body = {"model": "shop/llm", "prompt": "hello", "max_tokens": 500, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # the client leaves after the first chunk
+    for _ in range(500):  # bounded: the server notices the disconnect
+        if dropped() == before + 1:
+            break
+        time.sleep(0.02)
+    assert dropped() == before + 1

@@ -610,6 +610,9 @@ def _stream(state: AppState, call, shape: _Shape, endpoint: str, include_usage: 
         except Exception as exc:
             _count(state, endpoint, call.target, status_of(exc))
             await emit(sse(None, error_body(exc, openai=True)))
+        except BaseException:  # the client left mid-stream (the run is cancelled)
+            _count(state, endpoint, call.target, CLIENT_GONE)
+            raise
         await emit(sse(None, "[DONE]"))
 
     return produce
