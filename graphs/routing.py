@@ -111,6 +111,7 @@ class VersionedModel:
         self.clients = dict(clients)
         self.router = Router(name, weights)
         self.sticky = sticky  # an input name, e.g. "user_id"
+        self.sources: dict[str, str] = {}  # version -> its folder, as served now
 
     @classmethod
     def single(cls, name: str, client) -> VersionedModel:
@@ -122,12 +123,15 @@ class VersionedModel:
         key = inputs.get(self.sticky) if self.sticky else None
         return self.router.choose(None if key is None else str(key))
 
-    def add(self, version: str, client) -> None:
+    def add(self, version: str, client, source: str | None = None) -> None:
         self.clients[version] = client
         self.router.add_version(version)
+        if source is not None:
+            self.sources[version] = source
 
     def remove(self, version: str):
         self.router.remove_version(version)  # refuses while it still gets traffic
+        self.sources.pop(version, None)
         return self.clients.pop(version)
 
 

@@ -92,6 +92,8 @@ class ModelRuntime:
             )
             for name, model in graph.spec.models.items()
         }
+        for name, versioned in models.items():
+            versioned.sources = {v: str(graph.spec.model_path(name, v)) for v in versioned.clients}
         executor = GraphExecutor(graph, models, functions)
         self.graphs[graph.spec.name] = executor
         return executor
@@ -151,7 +153,7 @@ class ModelRuntime:
         if version in versioned.clients:
             raise RouteError(f"model {model!r} already has a version {version!r}")
         spec = self.graphs[graph].graph.spec.models[model]
-        versioned.add(version, self._acquire(model, version, spec, Path(path)))
+        versioned.add(version, self._acquire(model, version, spec, Path(path)), str(path))
 
     def set_route(self, graph: str, model: str, weights: dict[str, float]) -> dict[str, float]:
         versioned = self.versioned(graph, model)

@@ -597,12 +597,16 @@ def test_admin_uploads_rolls_out_and_unloads_a_version(client, root, tmp_path):
         assert rollout.json()["route"] == {"v1": 0.0, "v2": 0.0, "v3": 100.0}
         run = client.post("/v1/graphs/ab", json={"inputs": {"text": "hello"}}).json()
         assert run["versions"] == {"intent": "v3"}
+        live = client.get("/v1/graphs/ab").json()["models"]["intent"]  # as served, not the file
+        assert live["versions"]["v3"] == str(v3)
+        assert live["route"] == {"v1": 0.0, "v2": 0.0, "v3": 100.0}
         busy = client.delete(versions + "/v3", headers=auth)
         assert busy.status_code == 422 and "traffic" in error_of(busy)["message"]
     finally:
         client.post(route, headers=auth, json={"split": {"v1": 100}})
     gone = client.delete(versions + "/v3", headers=auth)
     assert gone.status_code == 200 and gone.json()["versions"] == ["v1", "v2"]
+    assert set(client.get("/v1/graphs/ab").json()["models"]["intent"]["versions"]) == {"v1", "v2"}
     assert client.post("/v1/graphs/ab", json={"inputs": {"text": "hi"}}).json()["versions"] == {
         "intent": "v1"
     }

@@ -162,6 +162,17 @@ def typed(schema: dict, keys: list[str]) -> dict:
     return dict(schema) if isinstance(schema, dict) else {}
 
 
+def _live_model(served: ServedGraph, name: str) -> dict:
+    """A model as served now: versions uploaded or unloaded and a split set through the
+    admin routes show here, not only what the file says."""
+    spec = served.spec.models[name]
+    live = served.executor.models.get(name) if served.executor is not None else None
+    if live is None:  # still loading
+        return {"task": spec.task, "versions": spec.sources, "route": spec.weights}
+    versions = {v: live.sources.get(v, spec.sources.get(v, "")) for v in live.clients}
+    return {"task": spec.task, "versions": versions, "route": dict(live.router.weights)}
+
+
 def describe(served: ServedGraph) -> dict:
     graph, spec = served.graph, served.spec
     nodes = []
@@ -189,10 +200,7 @@ def describe(served: ServedGraph) -> dict:
         "outputs": output_schema(spec),
         "nodes": nodes,
         "edges": edges,
-        "models": {
-            name: {"task": m.task, "versions": m.sources, "route": m.weights}
-            for name, m in spec.models.items()
-        },
+        "models": {name: _live_model(served, name) for name in spec.models},
         "max_inflight": served.limit,
         "inflight": served.inflight,
     }

@@ -58,7 +58,9 @@ def protocol_class(header_timeout_s: float, body_timeout_s: float) -> type[async
 
         def data_received(self, data: bytes) -> None:
             before = self.cycle
-            waiting = before is None or before.response_complete  # for a request's headers
+            # waiting for a request's headers: not while the body of one already answered
+            # still arrives (a 413 goes out before the body it refuses is all in)
+            waiting = before is None or (before.response_complete and not before.more_body)
             super().data_received(data)
             if self.transport.is_closing():
                 return
