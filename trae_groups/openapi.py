@@ -10,7 +10,12 @@ from __future__ import annotations
 from trae_groups import __version__
 from trae_groups.app_state import AppState, ServedGraph
 from trae_groups.graph_api import RunRequest, input_schema, output_schema
-from trae_groups.openai_api import ChatCompletionRequest, CompletionRequest, targets
+from trae_groups.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    targets,
+)
 
 REF = "#/components/schemas/{model}"
 _ERROR = {
@@ -147,9 +152,14 @@ def _graph_body(served: ServedGraph, run_body: dict) -> tuple[dict, dict]:
 def _openai_components(state: AppState) -> dict[str, dict]:
     """The request bodies, ``model`` restricted to the ids that route somewhere now."""
     ids = targets(state.graphs)
-    llms = sorted(i for i, t in ids.items() if t.model is not None)
+    llms = sorted(i for i, t in ids.items() if t.kind == "llm")
+    embedders = sorted(i for i, t in ids.items() if t.kind == "embed")
+    chat = sorted(i for i, t in ids.items() if t.kind != "embed")
     components = {}
-    for model, allowed in ((ChatCompletionRequest, sorted(ids)), (CompletionRequest, llms)):
+    pairs = (
+        (ChatCompletionRequest, chat), (CompletionRequest, llms), (EmbeddingRequest, embedders),
+    )  # fmt: skip
+    for model, allowed in pairs:
         schema = model.model_json_schema(ref_template=REF)
         components.update(schema.pop("$defs", {}))
         if allowed:
@@ -171,6 +181,7 @@ def _openai_paths() -> dict[str, dict]:
         "/v1/models": {"get": _op("Models and chat graphs", {"200": _ok("the list")})},
         "/v1/chat/completions": post("OpenAI chat completions", "ChatCompletionRequest"),
         "/v1/completions": post("OpenAI completions", "CompletionRequest"),
+        "/v1/embeddings": post("OpenAI embeddings", "EmbeddingRequest"),
     }
 
 
