@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from trae_groups.engine import chat
@@ -53,6 +54,16 @@ class LocalEncoder:
         return self.worker.model_stats()
 
 
+#: Prompts longer than this (characters) are tokenized off the event loop.
+OFFLOAD_CHARS = 16_384
+
+
+def _chars(request: GenerateRequest) -> int:
+    if request.messages is not None:
+        return sum(len(m.get("content") or "") for m in request.messages)
+    return len(request.prompt) if isinstance(request.prompt, str) else 0
+
+
 class LocalLLM:
     """A causal LM on this process's engine."""
 
@@ -67,29 +78,48 @@ class LocalLLM:
         raise RequestError("model", f"{self.name!r} is a generate model: it cannot encode")
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
-        """Validates and queues now (RequestError before any work), streams later."""
+        """Validates and queues now (RequestError before any work), streams later. A
+        prompt over OFFLOAD_CHARS is tokenized on a worker thread instead, at the first
+        step of the iteration, so that one huge request never holds the event loop
+        that serves everyone else (and its RequestError comes from that step)."""
         if not self._running():
             raise EngineStopped("the engine is not running")
-        prompt = request.prompt
+        if _chars(request) <= OFFLOAD_CHARS:
+            return chunks(self._submit(self._tokens(request), request))
+        return self._tokenized_off_the_loop(request)
+
+    async def _tokenized_off_the_loop(
+        self, request: GenerateRequest
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        tokens = await asyncio.to_thread(self._tokens, request)
+        async with aclosing(chunks(self._submit(tokens, request))) as stream:
+            async for chunk in stream:
+                yield chunk
+
+    def _tokens(self, request: GenerateRequest) -> list[int] | str:
+        """The prompt's token ids (text, when the model has no tokenizer: its error)."""
+        tokenizer = self.worker.tokenizer
         if request.messages is not None:  # what users wrote stays text (engine/chat.py)
-            tokenizer = self.worker.tokenizer
             messages = list(request.messages)
             tools = list(request.tools) if request.tools else None
-            prompt = (
-                chat.chat_token_ids(tokenizer, messages, tools)
-                if tokenizer
-                else chat.render(None, messages)
-            )
+            if tokenizer is None:
+                return chat.render(None, messages)
+            return chat.chat_token_ids(tokenizer, messages, tools)
+        if isinstance(request.prompt, str):
+            return self.worker.encode(request.prompt)
+        return list(request.prompt)
+
+    def _submit(self, prompt: list[int] | str, request: GenerateRequest) -> OutputStream:
         stream = OutputStream(self.worker.abort, asyncio.get_running_loop())
         stream.request_id = request.request_id
         self.worker.submit(
-            prompt if isinstance(prompt, str) else list(prompt),
+            prompt,
             request.params,
             request_id=request.request_id,
             sink=stream.put,
             priority=request.priority,
         )
-        return chunks(stream)
+        return stream
 
     def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
