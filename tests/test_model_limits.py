@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -66,3 +68,26 @@ def test_limits_reach_the_engine_over_http(server):
     assert "max_prompt_tokens" in long.json()["error"]["message"]
     graph = httpx.post(f"{server.url}/v1/graphs/capped", json={"inputs": {"text": "hello world"}})
     assert graph.status_code == 200 and graph.json()["outputs"]["tokens"] <= 8
+
+
+def test_openai_requests_end_with_504_at_the_servers_limit(root):
+    path = root / "slow.yaml"
+    path.write_text(
+        GRAPH.format(root=root, asked=8).replace("max_tokens_limit: 8", "max_tokens_limit: 900")
+    )
+    config = ServerConfig(
+        engine=EngineConfig(pool_bytes=8 << 20, fast_linear=False), openai_timeout_s=0.05
+    )
+    body = {"model": "capped/llm", "prompt": "hello", "max_tokens": 240, "ignore_eos": True}
+    with ServerThread(create_app([path], config)) as server:
+        url = f"{server.url}/v1/completions"
+        plain = httpx.post(url, json=body, timeout=60)
+        assert plain.status_code == 504 and plain.json()["error"]["type"] == "Timeout"
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as r:
+            data = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "data: [DONE]" and '"Timeout"' in data[-2]
+        for _ in range(500):  # bounded: the generations were aborted, not run to the end
+            if server.state.runtime.stats().models["llm"].running == 0:
+                break
+            time.sleep(0.01)
+        assert server.state.runtime.stats().pool.used_pages == 0

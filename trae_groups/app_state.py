@@ -57,6 +57,9 @@ class ServerConfig:
     # refuse at once (429) what the requests in flight would keep waiting longer than
     # this, for graphs without a timeout of their own (trae_groups/admission.py)
     max_queue_wait_s: float = 30.0
+    # an OpenAI request (queue, prompt, generation) ends with 504 past this; a graph's
+    # requests have the graph's timeout
+    openai_timeout_s: float = 300.0
     log_level: str = "info"
     access_log: bool = True  # uvicorn's line per request, at log_level info
     freeze_gc: bool = True  # models loaded: gc.freeze() the heap (graphs.runtime.settle_heap)
@@ -74,8 +77,8 @@ class ServerConfig:
             raise ValueError("max_body_bytes: must be >= 1")
         if self.retry_after_s < 0 or self.shutdown_grace_s < 0:
             raise ValueError("retry_after_s and shutdown_grace_s: must be >= 0")
-        if self.max_queue_wait_s <= 0:
-            raise ValueError("max_queue_wait_s: must be > 0")
+        if self.max_queue_wait_s <= 0 or self.openai_timeout_s <= 0:
+            raise ValueError("max_queue_wait_s and openai_timeout_s: must be > 0")
         if min(self.header_timeout_s, self.body_timeout_s, self.keep_alive_s) <= 0:
             raise ValueError("header_timeout_s, body_timeout_s and keep_alive_s: must be > 0")
         if self.max_connections is not None and self.max_connections < 1:

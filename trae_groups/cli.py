@@ -432,6 +432,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             body_timeout_s=args.body_timeout,
             keep_alive_s=args.keep_alive,
             max_connections=args.max_connections or None,
+            openai_timeout_s=args.openai_timeout,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -519,6 +520,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-connections", type=int, default=1024, help="503 beyond this many (0: no cap)"
     )
+    serve.add_argument(
+        "--openai-timeout", type=float, default=300.0,
+        help="seconds an OpenAI request may take before a 504 (graphs: their own timeout)",
+    )  # fmt: skip
     serve.add_argument(
         "--no-access-log",
         dest="access_log",

@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import anyio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -532,9 +533,10 @@ async def _respond(
     """Admit, start the call, and answer: one JSON object, or SSE chunks then [DONE]."""
     endpoint = "chat" if chat else "completions"
     ticket = state.admit(target.served)
+    limit = _Limit(state.config.openai_timeout_s)
     try:
         call = start(state, ticket.executor)
-        await call.open()
+        await limit.within(call.open)
     except Exception as exc:
         ticket.release()
         _count(state, endpoint, target, status_of(exc))
@@ -547,9 +549,11 @@ async def _respond(
 
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStream(_stream(state, call, shape, endpoint, usage), close)
+        return EventStream(_stream(state, call, shape, endpoint, usage, limit), close)
     try:
-        pieces, gone = await until_disconnect(request.receive, lambda: _collect(call))
+        pieces, gone = await until_disconnect(
+            request.receive, lambda: limit.within(lambda: _collect(call))
+        )
     except Exception as exc:
         _count(state, endpoint, target, status_of(exc))
         raise
@@ -560,6 +564,24 @@ async def _respond(
         return Response(status_code=CLIENT_GONE)
     _count(state, endpoint, target, 200)
     return JSONResponse(shape.whole(pieces))
+
+
+class _Limit:
+    """The server's time limit for one OpenAI request, from its admission on."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+
+    async def within(self, work: Callable[[], Awaitable[Any]]) -> Any:
+        with anyio.move_on_after(max(0.0, self.deadline - time.monotonic())):
+            return await work()
+        raise HTTPError(
+            504,
+            f"the request ran past the server's {self.seconds:g} s limit "
+            "(ServerConfig.openai_timeout_s)",
+            type="Timeout",
+        )
 
 
 def _count(state: AppState, endpoint: str, target: Target, code: int) -> None:
@@ -578,7 +600,9 @@ async def _collect(call) -> list[_Piece]:
     return pieces
 
 
-def _stream(state: AppState, call, shape: _Shape, endpoint: str, include_usage: bool):
+def _stream(
+    state: AppState, call, shape: _Shape, endpoint: str, include_usage: bool, limit: _Limit
+):
     async def produce(emit: Emit) -> None:
         last = _Piece()
         held: list[str] = []  # with tools, the reply is held until it is known to be a call
@@ -594,7 +618,7 @@ def _stream(state: AppState, call, shape: _Shape, endpoint: str, include_usage: 
         try:
             if shape.chat:
                 await emit(sse(None, shape.chunk({"role": "assistant", "content": ""})))
-            await call.run(send)
+            await limit.within(lambda: call.run(send))
             finish = last.finish_reason or "stop"
             calls = tool_calls("".join(held), list(shape.tools))
             if calls:
