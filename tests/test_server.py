@@ -521,6 +521,22 @@ def test_reload_swaps_the_graph_and_keeps_it_when_the_file_is_broken(client, roo
         client.post("/admin/graphs/echo/reload", headers=auth)
 
 
+def test_a_reload_does_not_silently_drop_a_live_split(client):
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    route, reload = "/admin/graphs/ab/models/intent/route", "/admin/graphs/ab/reload"
+    try:
+        assert client.post(route, headers=auth, json={"split": "v2:100%"}).status_code == 200
+        refused = client.post(reload, headers=auth)
+        assert refused.status_code == 409 and error_of(refused)["type"] == "LiveRoutes"
+        assert "intent" in error_of(refused)["message"]
+        assert client.get(route, headers=auth).json()["route"]["v2"] == 100.0  # kept
+        done = client.post(f"{reload}?discard_live_routes=true", headers=auth)
+        assert done.status_code == 200
+        assert client.get(route, headers=auth).json()["route"] == {"v1": 100.0, "v2": 0.0}
+    finally:
+        client.post(route, headers=auth, json={"split": {"v1": 100}})
+
+
 def test_reloading_keeps_the_models_that_are_still_used(server, client):
     auth = {"Authorization": f"Bearer {TOKEN}"}
     engine = server.state.runtime.engine

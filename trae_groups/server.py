@@ -91,7 +91,10 @@ def check_admin(request: Request, state: AppState) -> None:
 
 async def reload_graph(request: Request) -> Response:
     """Re-read the graph's file; on success new requests use it, in-flight ones finish
-    on the old one; on failure the old graph stays and the issues come back (422)."""
+    on the old one; on failure the old graph stays and the issues come back (422).
+    A split set through the admin API (or a version uploaded or unloaded) would be
+    lost to the file's: the reload is refused (409, naming the models) unless the call
+    says ``?discard_live_routes=true``."""
     state: AppState = request.app.state.trae
     check_admin(request, state)
     served = state.graph(request.path_params["name"])
@@ -103,6 +106,14 @@ async def reload_graph(request: Request) -> Response:
         if spec.name != served.name:
             message = f"the file now declares graph '{spec.name}', not '{served.name}'"
             raise HTTPError(422, message, field="name", type="GraphValidationError")
+        changed = _live_routes(served, spec)
+        if changed and request.query_params.get("discard_live_routes") != "true":
+            raise HTTPError(
+                409,
+                f"model(s) {', '.join(changed)} route as set live, not as the file says; "
+                "write the split into the file, or reload with ?discard_live_routes=true",
+                type="LiveRoutes",
+            )
         executor = await anyio.to_thread.run_sync(state.runtime.bind, spec)
         served.bind(executor, release=state.retire)
         await anyio.to_thread.run_sync(state.settle_heap)
@@ -110,10 +121,25 @@ async def reload_graph(request: Request) -> Response:
     return JSONResponse({"graph": served.name, "reloaded": True, **graph_api.summary(served)})
 
 
+def _live_routes(served: Any, spec: GraphSpec) -> list[str]:
+    """Models whose served versions or split differ from what ``spec`` says."""
+    changed = []
+    for name, versioned in served.executor.models.items():
+        model = spec.models.get(name)
+        if model is None:
+            continue
+        live = {v: w for v, w in versioned.router.weights.items()}
+        if set(live) != set(model.sources) or any(
+            abs(live[v] - w) > 1e-9 for v, w in model.weights.items()
+        ):
+            changed.append(name)
+    return changed
+
+
 async def route_model(request: Request) -> Response:
     """GET: a model's split between its versions; POST ``{"split": "v1:90%,v2:10%"}``
     (or ``{"split": {"v1": 90, "v2": 10}}``): change it for requests from now on.
-    The split lasts until the graph is reloaded (the file's ``route`` then applies)."""
+    A reload then refuses to drop it (see ``reload_graph``)."""
     state: AppState = request.app.state.trae
     check_admin(request, state)
     served = state.graph(request.path_params["name"])
