@@ -144,3 +144,12 @@ def test_an_output_schema_can_live_in_a_file_beside_the_graph(root, tmp_path):
         load_graph(tmp_path / "bad.yaml")
     (issue,) = err.value.issues
     assert issue.line == 6 and "cannot read 'missing.json'" in issue.message
+
+
+def test_the_demo_extraction_example_loads():
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "support_extract.yaml"
+    spec = load_graph_text(example.read_text(), str(example))
+    assert set(spec.nodes["order"].output_schema["properties"]) == {"order_id", "product"}
+    assert spec.outputs["order_id"] == "order.json.order_id"
