@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,24 +53,6 @@ deploy:
     llm: {{models: [dialog], replicas: {replicas}, num_cpus: 0.1}}
 """
 INPUTS = {"text": "hello where is my order to paris"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"{url} not ready")
 
 
 def latency(url: str, clients: int, requests: int) -> dict:
@@ -110,7 +91,7 @@ def measure(url: str, args: argparse.Namespace) -> dict:
 
 
 def one_process(graph: Path, args: argparse.Namespace) -> dict:
-    port = free_port()
+    port = loadgen.free_port()
     server = subprocess.Popen(
         [
             sys.executable,
@@ -129,7 +110,7 @@ def one_process(graph: Path, args: argparse.Namespace) -> dict:
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_ready(url)
+        loadgen.wait_ready(url)
         return measure(url, args)
     finally:
         server.terminate()
@@ -155,7 +136,7 @@ def on_ray(graph_for, args: argparse.Namespace, replicas: int, port: int) -> dic
     graph = graph_for(replicas)
     serve.run(build([graph]), name="trae", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
-    wait_ready(url)
+    loadgen.wait_ready(url)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # every replica posting its stats
         posts = ray.get(board("trae").read.remote())
@@ -201,7 +182,7 @@ def main() -> None:
     from ray import serve
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    port = free_port()
+    port = loadgen.free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         for replicas in (1, 2):

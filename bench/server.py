@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import gc
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,6 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,24 +58,6 @@ nodes:
 outputs: {{intent: intent.label, reply: reply.text}}
 """
 INPUTS = {"text": "hello where is my order to paris"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("server not ready")
 
 
 def process_cpu(pid: int) -> float | None:
@@ -118,7 +98,7 @@ def main() -> None:
     http: dict[str, list[dict]] = {k: [] for k in loads}
     local: dict[str, list[dict]] = {k: [] for k in loads}
 
-    port = free_port()
+    port = loadgen.free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     server = subprocess.Popen(
@@ -127,7 +107,7 @@ def main() -> None:
     )  # fmt: skip
     runtime = None
     try:
-        wait_ready(url)
+        loadgen.wait_ready(url)
         spec = load_graph(graph)
         runtime = ModelRuntime.for_specs([spec], EngineConfig(pool_bytes=64 << 20))
         executor = runtime.bind(spec)

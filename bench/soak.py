@@ -20,7 +20,6 @@ import collections
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from conftest import build_encoder, build_llm  # noqa: E402
+from trae_groups import loadgen  # noqa: E402
 
 TOKEN = "soak-admin"
 GRAPH = """
@@ -63,12 +63,6 @@ nodes:
 outputs: {{text: answer.text}}
 """
 WORDS = ["hello", "where", "is", "my", "order", "refund", "paris", "london", "please", "ship"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int) -> float:
@@ -217,7 +211,7 @@ def main() -> int:
     build_llm(root / "dialog", "llama")
     (root / "soak.yaml").write_text(GRAPH.format(root=root))
     (root / "chat.yaml").write_text(CHAT.format(root=root))
-    port = free_port()
+    port = loadgen.free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "TRAE_ADMIN_TOKEN": TOKEN}
     server = subprocess.Popen(

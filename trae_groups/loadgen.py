@@ -106,3 +106,27 @@ def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     rank = max(1, min(len(ordered), math.ceil(q / 100 * len(ordered))))
     return ordered[rank - 1]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (for a server a benchmark starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, timeout: float = 180.0) -> None:
+    """Poll ``url``/ready until it answers 200; RuntimeError after ``timeout``."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not get ready within {timeout:g} s")
