@@ -18,6 +18,9 @@ def engine_for(model_dir: str) -> LLMEngine:
             max_num_seqs=64,
             max_num_batched_tokens=int(os.environ.get("TRAE_BENCH_BATCH_TOKENS", "1024")),
             fast_linear=os.environ.get("TRAE_BENCH_FAST_LINEAR", "1") == "1",
+            # TRAE_BENCH_COMPILE=1: decode-only steps compiled at batch 1 and 32 (this workload's)
+            compile=os.environ.get("TRAE_BENCH_COMPILE", "0") == "1",
+            compile_batch_sizes=(1, 32),
         )
         engine = LLMEngine({"bench": model_dir}, config)  # generate() steps in this thread
         engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
