@@ -17,6 +17,7 @@ decode steps are timed twice, with the worker's own ``step()``:
    uncovered by those ops is "Python/dispatch" (transformers' module code, kwargs plumbing,
    our attention glue outside its kernels). The profiler inflates small ops, so its shares are
    applied to the unprofiled forward time of step 1: the split is approximate (a few %).
+With --compile only the timers run (a compiled graph's kernels carry no aten names).
 """
 
 from __future__ import annotations
@@ -193,7 +194,8 @@ def profile_one(model_dir: str, dtype: str, batch: int, steps: int, compile_: bo
     wrap_forward(worker)
     timers = Timers(worker)
     ms = timed_steps(worker, timers, steps)
-    shares = forward_split(worker, steps)
+    # a compiled graph's kernels are not aten ops by name: no split, timers only
+    shares = None if compile_ else forward_split(worker, steps)
     ms_again = timed_steps(worker, timers, steps)  # the same after profiling: noise check
     engine.shutdown()
     return {"ms": ms, "ms_again": ms_again, "shares": shares}
@@ -202,7 +204,10 @@ def profile_one(model_dir: str, dtype: str, batch: int, steps: int, compile_: bo
 def report(label: str, res: dict) -> None:
     ms, again, shares = res["ms"], res["ms_again"], res["shares"]
     fwd = ms["forward"]
-    parts = [f"{k} {shares[k] * fwd:.2f} ({shares[k]:.0%})" for k in CATEGORIES]
+    if shares is None:
+        parts = ["(compiled: not split)"]
+    else:
+        parts = [f"{k} {shares[k] * fwd:.2f} ({shares[k]:.0%})" for k in CATEGORIES]
     print(
         f"{label}: step {ms['step']:.2f} ms (again {again['step']:.2f}) = "
         f"forward {fwd:.2f} + metadata {ms['metadata']:.2f} + sampling {ms['sampling']:.2f} "
