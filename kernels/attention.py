@@ -137,7 +137,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """query [T, heads, dim]; key/value [T, kv_heads, dim] (new tokens, already stored).
 
-    Returns [T, heads, dim]. GQA/MQA through SDPA's ``enable_gqa``.
+    Returns [T, heads, dim]. GQA/MQA through SDPA's ``enable_gqa`` (bf16/fp16 decodes:
+    grouped matmuls, ``_decode_matmul``).
     """
     out = torch.empty_like(query)
     nd = batch.num_decodes
