@@ -219,9 +219,12 @@ class LLMRunner:
     def enable_compile(self, sizes: tuple[int, ...]) -> float:
         """Compile decode steps for these padded batch sizes (CPU only); returns the
         start-up seconds it took. Other steps, and any step on another device, stay eager."""
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" or self.backend.name != "torch":
             log.warning(
-                "compile: CPU only for now (no CUDA graphs yet); %s stays eager", self.device
+                "compile: CPU and the torch attention backend only (no CUDA graphs yet); "
+                "%s with %s stays eager",
+                self.device,
+                self.backend.name,
             )
             return 0.0
         self.compiled = CompiledDecode(self.model, self.kv, sizes)
@@ -286,7 +289,13 @@ class LLMRunner:
         if self.compiled is not None:
             size = self.compiled.size_for(inputs)
             if size is not None:
-                return self.compiled.run(inputs, size)
+                try:
+                    return self.compiled.run(inputs, size)
+                except Exception:  # e.g. a recompile the limit refuses: eager from now on
+                    # (a compile failure happens before any K/V is written; a rerun rewrites
+                    # the same slots with the same values)
+                    log.exception("compiled decode failed; this model runs eagerly from now on")
+                    self.compiled = None
         # a chunk that ends before its prompt does keeps no rows: only the cache fills
         out = self.model(
             input_ids=inputs.input_ids,

@@ -71,3 +71,17 @@ def test_compiled_packed_linears_match_eager_packed(llama_dir):
         torch.testing.assert_close(
             torch.tensor(eager.logprobs), torch.tensor(compiled.logprobs), atol=1e-4, rtol=0
         )
+
+
+def test_a_failing_compiled_step_falls_back_to_eager(llama_dir):
+    ps = prompts(n=3, seed=8)
+    with compiled_engine(llama_dir, compile_batch_sizes=(4,)) as eng:
+        runner = eng.llms["m"].runner
+
+        def broken(*args):
+            raise RuntimeError("simulated compile failure")
+
+        runner.compiled._fn = broken
+        outs = eng.generate(ps, SamplingParams(max_tokens=MAX_NEW))
+        assert runner.compiled is None
+    assert_parity(llama_dir, outs, ps)
