@@ -5,13 +5,15 @@
 
 Slot d calls ``run_ours(model_dir, prompts, max_new_tokens) -> (tokens_per_s, outputs)`` from
 bench/ours.py when that module exists; its greedy outputs are checked against unpadded batch-1
-``generate``. Prints, never asserts: absolute rates drift on shared machines, compare ratios.
+``generate``. ``--compiled`` adds slot d+, the same engine with ``EngineConfig(compile=True)``.
+Prints, never asserts: absolute rates drift on shared machines, compare ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import statistics
 import sys
 import time
@@ -25,6 +27,8 @@ sys.path.insert(0, str(BENCH_DIR))
 
 import peers  # noqa: E402
 from peers import PeerResult  # noqa: E402
+
+COMPILE = "TRAE_BENCH_COMPILE"  # read by bench/ours.py
 
 
 def load_ours() -> Callable | None:
@@ -72,6 +76,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-generate-batch", action="store_true", help="skip generate_batch")
     parser.add_argument("--no-peers", action="store_true", help="only reference + ours")
     parser.add_argument("--no-roofline", action="store_true")
+    parser.add_argument(
+        "--compiled", action="store_true", help="also slot d+: ours with EngineConfig(compile=True)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.repeats = 1
@@ -120,17 +127,20 @@ def main() -> None:
     roof = None if args.no_roofline else peers.measure_roofline(plain, max(reps, 3))
 
     run_ours = load_ours()
-    if run_ours is not None:
-        results["d"] = attempt("d", lambda: run_d(run_ours, model_dir, prompts, max_new, reps))
+    slots = {"d": "0", "d+": "1"} if args.compiled else {"d": os.environ.get(COMPILE, "0")}
+    for slot, compiled in slots.items() if run_ours is not None else ():
+        os.environ[COMPILE] = compiled  # bench/ours.py keeps one engine per value
+        results[slot] = attempt(slot, lambda: run_d(run_ours, model_dir, prompts, max_new, reps))
         ours_module = sys.modules.get("ours")
         if ours_module is not None and hasattr(ours_module, "batch1_decode_ms"):
             mid = list(prompts[len(prompts) // 2])
             ms = ours_module.batch1_decode_ms(str(model_dir), mid, max_new, max(reps, 3))
-            print(f"  d batch-1 decode: {ms:.2f} ms/token", flush=True)
+            print(f"  {slot} batch-1 decode: {ms:.2f} ms/token", flush=True)
             if roof is not None:
                 floor = roof.batch1_floor_ms
                 print(
-                    f"  d batch-1 decode / bandwidth floor ({floor:.2f} ms): {ms / floor:.2f}x (target <= 2x)"
+                    f"  {slot} batch-1 decode / bandwidth floor ({floor:.2f} ms): "
+                    f"{ms / floor:.2f}x (target <= 1.5x)"
                 )
     print(f"machine at end: {peers.machine_load()}")
     report(results, reference, full_pass_rate, latency, roof, run_ours is not None, args)
@@ -160,13 +170,15 @@ def report(
     )
     if not have_ours:
         print(f"{'d':3} {'trae-groups engine':<46} {'--':>8} {'--':>13}  bench/ours.py not present")
-    ours = results.get("d")
-    if ours is not None:
+    for slot in ("d", "d+"):
+        ours = results.get(slot)
+        if ours is None:
+            continue
         for key in ("a", "b", "c", "c'"):
             peer = results.get(key)
             if peer is not None:
-                print(f"d/{key}: {ours.tokens_per_s / peer.tokens_per_s:.2f}x")
-        print(f"ours greedy == generate: {peers.count_equal(ours.outputs, reference)}/{n}")
+                print(f"{slot}/{key}: {ours.tokens_per_s / peer.tokens_per_s:.2f}x")
+        print(f"{slot} greedy == generate: {peers.count_equal(ours.outputs, reference)}/{n}")
     if latency is not None:
         print(f"\nbatch-1 generate: prefill {latency[0]:.1f} ms, decode {latency[1]:.2f} ms/token")
     if roof is not None:

@@ -35,6 +35,10 @@ class EngineConfig:
     attention_backend: str | None = None  # None: best available
     scheduling: str = "graph"  # "graph": deeper, then older work first; "fifo": older first
     num_threads: int | None = None
+    # torch.compile decode-only steps (CPU), the batch padded up to one of these sizes; each is
+    # compiled when the model is added (seconds each); other steps run eagerly
+    compile: bool = False
+    compile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -51,6 +55,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1 (or None)")
         if self.scheduling not in ("graph", "fifo"):
             raise ValueError(f"scheduling: must be 'graph' or 'fifo', got {self.scheduling!r}")
+        if not self.compile_batch_sizes or min(self.compile_batch_sizes) < 1:
+            raise ValueError("compile_batch_sizes: must be a non-empty list of sizes >= 1")
         if self.page_bytes is not None and (self.page_bytes < 64 or self.page_bytes % 64):
             raise ValueError("page_bytes: must be a positive multiple of 64")
 

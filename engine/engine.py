@@ -141,6 +141,10 @@ class LLMEngine:
             self.loop.wake,
             cache_key=cache_key or (name, str(path)),
         )
+        if config.compile:
+            sizes = tuple(b for b in config.compile_batch_sizes if b <= config.max_num_seqs)
+            seconds = worker.runner.enable_compile(sizes or (config.max_num_seqs,))
+            log.info("model %s: decode compiled for batch sizes %s in %.1f s", name, sizes, seconds)
         self.llms[name] = worker
         self.loop.add_worker(worker)
         return worker

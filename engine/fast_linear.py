@@ -95,6 +95,8 @@ class PackedLinear(nn.Module):
         return cls(linear.weight, linear.bias, batch_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # inductor cannot lower the mkldnn op itself
+            return torch.ops.trae.packed_linear(x, self.packed_weight, self.bias, self.out_features)
         if x.dtype != self.dtype:
             raise TypeError(f"PackedLinear holds {self.dtype} weights but got {x.dtype} input")
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -104,6 +106,21 @@ class PackedLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, dtype={self.dtype}, batch_hint={self.batch_hint}"
         )
+
+
+# For torch.compile: inductor's own lowering of ``mkldnn._linear_pointwise`` fails on a weight
+# packed outside it (torch 2.13), so a compiled graph calls the packed matmul through this op,
+# one opaque extern call per linear; eager calls the mkldnn op directly (no custom-op overhead).
+@torch.library.custom_op("trae::packed_linear", mutates_args=())
+def _packed_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@_packed_linear_op.register_fake
+def _(x, weight, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def _packable(module: nn.Module, dtypes: frozenset[torch.dtype]) -> bool:

@@ -5,13 +5,24 @@ an attention function registered with transformers' ``AttentionInterface``. Each
 is one forward over the flattened batch (decodes first, then prefill chunks); the
 step's ``StepContext`` reaches every attention layer as a keyword argument, and
 logits are computed only at the rows that sample.
+
+Optionally (``EngineConfig(compile=True)``, CPU) steps that are decodes only run through
+``CompiledDecode``: the same transformers model under torch.compile, the batch padded up to
+one of a few fixed sizes compiled at start-up, attention as one custom op
+(``torch.ops.trae.decode_attention``). Every other step (prefill chunks, mixed steps,
+batches above the largest size) runs eagerly.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+import types
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from trae_groups.engine.memory_pool import KVLayout, KVView
@@ -19,6 +30,7 @@ from trae_groups.engine.scheduler import SchedulerOutput
 from trae_groups.kernels import AttentionBackend, PagedBatch
 
 ATTN_NAME = "trae_paged"
+log = logging.getLogger("trae_groups.engine")
 
 
 @dataclass
@@ -42,7 +54,9 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query [1, heads, T, dim], key/value
     [1, kv_heads, T, dim] with RoPE applied; returns [1, T, heads, dim]."""
-    ctx: StepContext | None = kwargs.get("trae_step")
+    ctx: StepContext | DecodeInputs | None = kwargs.get("trae_step")
+    if isinstance(ctx, DecodeInputs):
+        return _compiled_decode_attention(module, query, key, value, scaling, kwargs, ctx)
     if ctx is None:
         raise RuntimeError(
             "this model runs on trae-groups' paged attention; call it through LLMRunner"
@@ -56,6 +70,36 @@ def paged_attention_forward(
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = ctx.backend.paged_attention(
         q, k, v, k_cache, v_cache, ctx.batch, scale, kwargs.get("sliding_window")
+    )
+    return out.unsqueeze(0), None
+
+
+class DecodeInputs(NamedTuple):
+    """A compiled decode step's attention inputs: tensors only, so the compiler can guard
+    on them. Rows past the real batch are padding (slot -1, context length 0)."""
+
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # [B]
+    block_tables: torch.Tensor  # [B, width >= 2]
+    context_lens: torch.Tensor  # [B]
+
+
+def _compiled_decode_attention(module, query, key, value, scaling, kwargs, d: DecodeInputs):
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = torch.ops.trae.decode_attention(
+        q,
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        d.k_caches[layer],
+        d.v_caches[layer],
+        d.slot_mapping,
+        d.block_tables,
+        d.context_lens,
+        scale,
+        kwargs.get("sliding_window") or 0,
     )
     return out.unsqueeze(0), None
 
@@ -80,12 +124,111 @@ class ModelInputs:
     batch: PagedBatch
 
 
+class CompiledDecode:
+    """Decode-only steps through torch.compile, one graph per padded batch size.
+
+    The batch (n one-token sequences) is padded to the smallest of ``sizes`` that holds it;
+    the block table's width is the one dynamic dimension (at least 2 columns: dynamo
+    specialises a size of 1). Compiled at start-up by ``warm_up`` with padding-only batches,
+    which touch no page. Inductor's FX graph and AOT caches (on by default, under
+    ``TORCHINDUCTOR_CACHE_DIR``) make a restart with the same model and torch cheaper;
+    dynamo still traces each size again.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv: KVView, sizes: tuple[int, ...]):
+        self.model = model
+        self.kv = kv
+        self.sizes = sorted(set(sizes))
+        self.compile_s = 0.0
+        self.steps = 0  # decode steps that ran compiled
+        # dynamo keeps its compiled graphs on the code object: give each instance its own,
+        # so models (and engines) do not share one list of entries and one recompile limit
+        forward = types.FunctionType(
+            CompiledDecode._forward.__code__.replace(), CompiledDecode._forward.__globals__
+        )
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = max(limit, 2 * len(self.sizes))
+        self._fn = torch.compile(types.MethodType(forward, self), dynamic=False, fullgraph=True)
+
+    def _forward(self, input_ids, position_ids, decode: DecodeInputs) -> torch.Tensor:
+        out = self.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            logits_to_keep=0,
+            trae_step=decode,
+        )
+        return out.logits[0]
+
+    def size_for(self, inputs: ModelInputs) -> int | None:
+        """The padded size for a decode-only step, or None: run it eagerly."""
+        batch = inputs.batch
+        n = batch.num_seqs
+        if batch.num_decodes != n or inputs.input_ids.shape[1] != n:
+            return None
+        if inputs.sample_rows.numel() != n:
+            return None
+        return next((size for size in self.sizes if size >= n), None)
+
+    def run(self, inputs: ModelInputs, size: int) -> torch.Tensor:
+        """Logits [n, vocab] (float32) of a decode-only step padded to ``size``."""
+        batch = inputs.batch
+        pad = size - batch.num_seqs
+        tables = batch.block_tables
+        tables = F.pad(tables, (0, max(0, 2 - tables.shape[1]), 0, pad))
+        logits = self._call(
+            F.pad(inputs.input_ids, (0, pad)),
+            F.pad(inputs.position_ids, (0, pad)),
+            F.pad(batch.slot_mapping, (0, pad), value=-1),
+            tables,
+            F.pad(batch.context_lens_t, (0, pad)),
+        )
+        self.steps += 1
+        return logits[: batch.num_seqs].float()
+
+    def _call(self, ids, positions, slots, tables, lens) -> torch.Tensor:
+        torch._dynamo.mark_dynamic(tables, 1)
+        decode = DecodeInputs(self.kv.k, self.kv.v, slots, tables, lens)
+        return self._fn(ids, positions, decode)
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile every size now (padding only: no page is read or written); seconds."""
+        start = time.perf_counter()
+        for size in self.sizes:
+            zeros = torch.zeros(1, size, dtype=torch.long)
+            self._call(
+                zeros,
+                zeros,
+                torch.full((size,), -1, dtype=torch.long),
+                torch.zeros(size, 2, dtype=torch.long),
+                torch.zeros(size, dtype=torch.long),
+            )
+        self.compile_s = time.perf_counter() - start
+        return self.compile_s
+
+
 class LLMRunner:
     def __init__(self, model: torch.nn.Module, kv: KVView, backend: AttentionBackend):
         self.model = model
         self.kv = kv
         self.backend = backend
         self.device = next(model.parameters()).device
+        self.compiled: CompiledDecode | None = None
+
+    def enable_compile(self, sizes: tuple[int, ...]) -> float:
+        """Compile decode steps for these padded batch sizes (CPU only); returns the
+        start-up seconds it took. Other steps, and any step on another device, stay eager."""
+        if self.device.type != "cpu" or self.backend.name != "torch":
+            log.warning(
+                "compile: CPU and the torch attention backend only (no CUDA graphs yet); "
+                "%s with %s stays eager",
+                self.device,
+                self.backend.name,
+            )
+            return 0.0
+        self.compiled = CompiledDecode(self.model, self.kv, sizes)
+        return self.compiled.warm_up()
 
     def prepare(self, sched: SchedulerOutput) -> ModelInputs:
         page = self.kv.tokens_per_page
@@ -143,6 +286,16 @@ class LLMRunner:
     @torch.inference_mode()
     def run(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits [num_sampling_rows, vocab] (float32)."""
+        if self.compiled is not None:
+            size = self.compiled.size_for(inputs)
+            if size is not None:
+                try:
+                    return self.compiled.run(inputs, size)
+                except Exception:  # e.g. a recompile the limit refuses: eager from now on
+                    # (a compile failure happens before any K/V is written; a rerun rewrites
+                    # the same slots with the same values)
+                    log.exception("compiled decode failed; this model runs eagerly from now on")
+                    self.compiled = None
         # a chunk that ends before its prompt does keeps no rows: only the cache fills
         out = self.model(
             input_ids=inputs.input_ids,

@@ -7,11 +7,13 @@ from trae_groups.kernels.backend import (
     register_backend,
     select_backend,
 )
+from trae_groups.kernels.custom_ops import decode_attention  # registers torch.ops.trae.*
 
 __all__ = [
     "AttentionBackend",
     "PagedBatch",
     "available_backends",
+    "decode_attention",
     "naive_attention",
     "paged_attention",
     "register_backend",

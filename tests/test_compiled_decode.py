@@ -1,0 +1,87 @@
+"""EngineConfig(compile=True): decode-only steps through torch.compile (padded batch sizes,
+attention as a custom op) keep greedy parity with transformers' generate; prefill, mixed
+steps and larger batches run eagerly alongside. Compiling takes seconds per size, so these
+tests compile few sizes and share one engine per model where they can."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from test_engine import MAX_NEW, assert_parity, prompts
+
+from trae_groups.engine.config import EngineConfig
+from trae_groups.engine.engine import LLMEngine
+from trae_groups.engine.sampling import SamplingParams
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("g++") is None, reason="inductor needs a C++ compiler"),
+]
+
+
+def compiled_engine(path, **cfg) -> LLMEngine:
+    cfg.setdefault("pool_bytes", 8 << 20)
+    cfg.setdefault("fast_linear", False)  # the reference path: parity is token-exact
+    cfg.setdefault("compile_batch_sizes", (1, 8))
+    cfg.setdefault("max_num_seqs", 8)
+    return LLMEngine({"m": path}, EngineConfig(compile=True, **cfg)).start()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_compiled_decode_greedy_parity(llm_dirs, family):
+    path = llm_dirs[family]
+    ps = prompts(n=12, seed=5, lo=2, hi=40)  # mistral's window is 24: outputs cross it
+    with compiled_engine(path) as eng:
+        runner = eng.llms["m"].runner
+        assert runner.compiled.compile_s > 0
+        outs = eng.generate(ps, SamplingParams(max_tokens=MAX_NEW))
+        assert runner.compiled.steps > 0  # 8, then 4 padded to 8, then 1
+        assert eng.pool.stats().used_pages == 0
+    assert_parity(path, outs, ps)
+
+
+def test_compiled_with_chunked_prefill_preemption_and_prefix_cache(llama_dir):
+    system = prompts(n=1, seed=9, lo=40, hi=41)[0]
+    ps = [system + tail for tail in prompts(n=10, seed=6, lo=2, hi=20)]
+    # 12 pages of 16 tokens for up to 8 sequences of ~75 tokens: preemption; 24-token budget
+    with compiled_engine(llama_dir, pool_bytes=12 * 8192, max_num_batched_tokens=24) as eng:
+        first = eng.generate(ps[:1], SamplingParams(max_tokens=MAX_NEW))
+        rest = eng.generate(ps[1:], SamplingParams(max_tokens=MAX_NEW))
+        worker = eng.llms["m"]
+        assert worker.runner.compiled.steps > 0
+        assert worker.scheduler.num_preemptions > 0
+        assert eng.pool.stats().prefix_hits > 0
+        assert eng.pool.stats().used_pages == 0
+    assert_parity(llama_dir, first + rest, ps)
+
+
+def test_compiled_packed_linears_match_eager_packed(llama_dir):
+    """The compiled graph calls the packed matmul through a custom op: same numbers."""
+    ps = prompts(n=6, seed=7)
+    params = SamplingParams(max_tokens=MAX_NEW, logprobs=1)
+    outs = {}
+    for compile_ in (False, True):
+        cfg = EngineConfig(pool_bytes=8 << 20, compile=compile_, compile_batch_sizes=(8,))
+        with LLMEngine({"m": llama_dir}, cfg).start() as eng:
+            outs[compile_] = eng.generate(ps, params)
+    for eager, compiled in zip(outs[False], outs[True], strict=True):
+        assert eager.token_ids == compiled.token_ids
+        torch.testing.assert_close(
+            torch.tensor(eager.logprobs), torch.tensor(compiled.logprobs), atol=1e-4, rtol=0
+        )
+
+
+def test_a_failing_compiled_step_falls_back_to_eager(llama_dir):
+    ps = prompts(n=3, seed=8)
+    with compiled_engine(llama_dir, compile_batch_sizes=(4,)) as eng:
+        runner = eng.llms["m"].runner
+
+        def broken(*args):
+            raise RuntimeError("simulated compile failure")
+
+        runner.compiled._fn = broken
+        outs = eng.generate(ps, SamplingParams(max_tokens=MAX_NEW))
+        assert runner.compiled is None
+    assert_parity(llama_dir, outs, ps)
