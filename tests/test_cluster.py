@@ -406,3 +406,46 @@ def test_autoscaling_follows_pending_work(cluster, models, tmp_path):
             w.join(120)
     wait_until(lambda: len(replicas("llm")) == 1, "back to one replica after the load", 90)
     http.close()
+
+
+@pytest.mark.parametrize(
+    "field, value, where",
+    [
+        ("num_cpus", 0.3, lambda o: o["ray_actor_options"]["num_cpus"]),
+        ("num_gpus", 1.0, lambda o: o["ray_actor_options"]["num_gpus"]),
+        ("memory", 10**9, lambda o: o["ray_actor_options"]["memory"]),
+        ("replicas", 3, lambda o: o["num_replicas"]),
+        ("max_ongoing_requests", 7, lambda o: o["max_ongoing_requests"]),
+        ("autoscaling.min", 2, lambda o: o["autoscaling_config"].min_replicas),
+        ("autoscaling.max", 9, lambda o: o["autoscaling_config"].max_replicas),
+        ("autoscaling.target_pending", 3.0, lambda o: o["autoscaling_config"].target_ongoing_requests),
+        ("autoscaling.target_utilization", 0.5,
+         lambda o: o["autoscaling_config"].policy.policy_kwargs["target_utilization"]),
+        ("autoscaling.upscale_delay_s", 4.0, lambda o: o["autoscaling_config"].upscale_delay_s),
+        ("autoscaling.downscale_delay_s", 8.0, lambda o: o["autoscaling_config"].downscale_delay_s),
+    ],
+)  # fmt: skip
+def test_every_group_option_reaches_serve(field, value, where):
+    from trae_groups.cluster.app import ClusterOptions, group_options
+    from trae_groups.graphs.deploy import Autoscaling, GroupSpec
+
+    if field.startswith("autoscaling."):
+        group = GroupSpec(autoscaling=Autoscaling(**{field.split(".")[1]: value, "max": 9}))
+    else:
+        group = GroupSpec(**{field: value})
+    assert where(group_options(group, ClusterOptions())) == value
+
+
+def test_every_group_and_autoscaling_field_has_a_row():
+    from trae_groups.graphs.deploy import Autoscaling, GroupSpec
+
+    # a field added to the deploy section needs a row in the table above
+    named = {
+        "num_cpus", "num_gpus", "memory", "replicas", "max_ongoing_requests", "models",
+        "autoscaling",
+    }  # fmt: skip
+    assert set(GroupSpec.model_fields) == named
+    assert set(Autoscaling.model_fields) == {
+        "min", "max", "target_pending", "target_utilization", "upscale_delay_s",
+        "downscale_delay_s",
+    }  # fmt: skip
