@@ -24,6 +24,7 @@ from trae_groups.engine.protocol import (
     GenerateRequest,
     GenerationChunk,
     ModelStats,
+    Window,
 )
 
 #: What a call fails with when its replica died or cannot be reached.
@@ -132,9 +133,16 @@ def summed(stats: list[EngineStats]) -> EngineStats | None:
 
 
 def _add(a: ModelStats, b: ModelStats) -> ModelStats:
+    windows = {
+        k: Window(
+            a.windows.get(k, Window()).recent + b.windows.get(k, Window()).recent,
+            a.windows.get(k, Window()).count + b.windows.get(k, Window()).count,
+        )
+        for k in {*a.windows, *b.windows}
+    }
     return ModelStats(
         a.name, a.kind, a.running + b.running, a.waiting + b.waiting,
-        _add_counts([a.counters, b.counters]), a.windows,
+        _add_counts([a.counters, b.counters]), windows,
         _add_counts([a.batch_sizes, b.batch_sizes]),
     )  # fmt: skip
 
