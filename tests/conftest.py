@@ -3,7 +3,10 @@ through the same code users use."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -136,3 +139,17 @@ def build_encoder(folder: Path, task: str, labels: list[str], seed: int = 0) -> 
                     p.mul_(10.0)
     model.save_pretrained(folder)
     return folder
+
+
+@contextlib.contextmanager
+def node_module(folder: Path, name: str, source: str):
+    """A module of python-node functions, importable while the block runs (graphs name
+    it as ``name:function``); yields the imported module."""
+    (folder / f"{name}.py").write_text(source)
+    sys.path.insert(0, str(folder))
+    importlib.invalidate_caches()
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop(name, None)

@@ -5,12 +5,11 @@ queueing until it times out."""
 from __future__ import annotations
 
 import asyncio
-import importlib
-import sys
 
 import httpx
 import pytest
 
+from conftest import node_module
 from trae_groups import admission
 from trae_groups.admission import ServiceRate, overloaded
 from trae_groups.server import ServerConfig, ServerThread, create_app
@@ -74,15 +73,13 @@ def test_no_estimate_before_enough_samples():
 
 @pytest.fixture
 def server(tmp_path):
-    (tmp_path / f"{MODULE}.py").write_text(SOURCE)
-    sys.path.insert(0, str(tmp_path))
-    importlib.invalidate_caches()
     graph = tmp_path / "serial.yaml"
     graph.write_text(GRAPH)
-    with ServerThread(create_app([graph], ServerConfig(max_inflight=1000))) as running:
+    with (
+        node_module(tmp_path, MODULE, SOURCE),
+        ServerThread(create_app([graph], ServerConfig(max_inflight=1000))) as running,
+    ):
         yield running
-    sys.path.remove(str(tmp_path))
-    sys.modules.pop(MODULE, None)
 
 
 def test_a_burst_past_capacity_is_refused_at_once_not_timed_out(server):

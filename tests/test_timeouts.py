@@ -3,11 +3,9 @@ interrupted (a sync python function keeps running on its thread)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import httpx
 
+from conftest import node_module
 from trae_groups.server import ServerConfig, ServerThread, create_app
 
 MODULE = "timeout_test_nodes"
@@ -34,19 +32,14 @@ outputs: {text: work.text}
 
 
 def test_a_sync_node_past_the_graph_timeout_gets_504_before_it_returns(tmp_path):
-    (tmp_path / f"{MODULE}.py").write_text(SOURCE)
-    sys.path.insert(0, str(tmp_path))
-    importlib.invalidate_caches()
-    nodes = importlib.import_module(MODULE)
     (tmp_path / "stuck.yaml").write_text(GRAPH)
-    try:
-        with ServerThread(create_app([tmp_path / "stuck.yaml"], ServerConfig())) as server:
-            answer = httpx.post(f"{server.url}/v1/graphs/stuck", json={"inputs": {"text": "x"}})
-            finished_before_answer = nodes.FINISHED.is_set()
+    with node_module(tmp_path, MODULE, SOURCE) as nodes:
+        try:
+            with ServerThread(create_app([tmp_path / "stuck.yaml"], ServerConfig())) as server:
+                answer = httpx.post(f"{server.url}/v1/graphs/stuck", json={"inputs": {"text": "x"}})
+                finished_before_answer = nodes.FINISHED.is_set()
+                nodes.RELEASE.set()
+        finally:
             nodes.RELEASE.set()
-        assert answer.status_code == 504
-        assert not finished_before_answer  # the answer did not wait for the function
-    finally:
-        nodes.RELEASE.set()
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop(MODULE, None)
+    assert answer.status_code == 504
+    assert not finished_before_answer  # the answer did not wait for the function
