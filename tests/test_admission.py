@@ -83,23 +83,21 @@ def server(tmp_path):
 
 
 def test_a_burst_past_capacity_is_refused_at_once_not_timed_out(server):
-    with httpx.Client(base_url=server.url, timeout=30) as client:
-        for i in range(12):  # measures the graph's rate: about 50 requests/s
-            assert (
-                client.post("/v1/graphs/serial", json={"inputs": {"text": str(i)}}).status_code
-                == 200
-            )
-
-    async def burst() -> list[httpx.Response]:
-        limits = httpx.Limits(max_connections=150)
+    async def burst(n: int) -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=n)
         async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=limits) as client:
             calls = [
                 client.post("/v1/graphs/serial", json={"inputs": {"text": str(i)}})
-                for i in range(150)
+                for i in range(n)
             ]
             return await asyncio.gather(*calls)
 
-    answers = asyncio.run(burst())  # 150 x 20 ms = 3 s of work against a 1 s limit
+    # the graph's rate is measured as it will be used: under concurrent load (a rate
+    # from one request at a time leaves out the cost of many connections at once)
+    for _ in range(3):  # 16 x 20 ms drain well inside the 1 s limit
+        assert [r.status_code for r in asyncio.run(burst(16))] == [200] * 16
+
+    answers = asyncio.run(burst(150))  # 150 x 20 ms = 3 s of work against a 1 s limit
     codes = [r.status_code for r in answers]
     refused = [r for r in answers if r.status_code == 429]
     assert codes.count(504) == 0, codes  # nothing admitted that could not finish in time
