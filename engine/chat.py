@@ -83,6 +83,24 @@ def chat_token_ids(
     return ids + encode(tokenizer, text)
 
 
+_END = "\ue000trae-prefix-end\ue001"
+
+
+def prefix_token_ids(
+    tokenizer: Any, messages: Sequence[dict], tools: list[dict] | None = None
+) -> list[int]:
+    """The token ids of these messages up to the end of the last one's content, with
+    nothing after it: the start of the prompt of any conversation that continues the last
+    message's text. Empty when a content holds a special token's text (its ids would not
+    be the plain-text ids the full prompt gets), or when the template rewrites contents."""
+    specials = special_texts(tokenizer)
+    if any(s in m["role"] or s in m["content"] for m in messages for s in specials):
+        return []
+    last = {**messages[-1], "content": messages[-1]["content"] + _END}
+    text, found, _ = render(tokenizer, [*messages[:-1], last], tools).partition(_END)
+    return encode(tokenizer, text) if found else []
+
+
 @lru_cache(maxsize=64)
 def _special_texts(tokenizer: Any) -> tuple[str, ...]:
     found = set(getattr(tokenizer, "all_special_tokens", ()) or ())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from trae_groups.engine import chat
@@ -22,6 +23,7 @@ from trae_groups.engine.protocol import (
     GenerationChunk,
     ModelStats,
 )
+from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.sequence import RequestOutput
 
 
@@ -56,6 +58,10 @@ class LocalEncoder:
 
 #: Prompts longer than this (characters) are tokenized off the event loop.
 OFFLOAD_CHARS = 16_384
+#: Tokens at the end of a prefix that are not cached: a word cut by the stream's edge may
+#: tokenize differently once the rest of it arrives.
+PREFIX_HOLDBACK = 8
+_PREFIX_PARAMS = SamplingParams(max_tokens=1)
 
 
 def _chars(request: GenerateRequest) -> int:
@@ -84,6 +90,8 @@ class LocalLLM:
         that serves everyone else (and its RequestError comes from that step)."""
         if not self._running():
             raise EngineStopped("the engine is not running")
+        if request.prefix_only:
+            return self._prefix(request)
         if _chars(request) <= OFFLOAD_CHARS:
             return chunks(self._submit(self._tokens(request), request))
         return self._tokenized_off_the_loop(request)
@@ -95,6 +103,36 @@ class LocalLLM:
         async with aclosing(chunks(self._submit(tokens, request))) as stream:
             async for chunk in stream:
                 yield chunk
+
+    async def _prefix(self, request: GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
+        """Cache the KV of a prompt's stable beginning (``GenerateRequest.prefix_only``):
+        its ids less the last PREFIX_HOLDBACK (the last word may merge with text still to
+        come), run as a one-token request whose sampled token is dropped. The prefix cache
+        publishes its full pages, and the later request's admission finds them. A prompt
+        the engine refuses caches nothing: the later request reports the error."""
+        tokens = await asyncio.to_thread(self._prefix_tokens, request)
+        keep = len(tokens) - PREFIX_HOLDBACK
+        cached = 0
+        if keep > self.worker.kv.tokens_per_page:
+            warm = replace(request, params=_PREFIX_PARAMS, prefix_only=False)
+            try:
+                async with aclosing(chunks(self._submit(tokens[:keep], warm))) as stream:
+                    async for chunk in stream:
+                        cached = keep if not chunk.error else 0
+            except RequestError:
+                pass
+        yield GenerationChunk(
+            request.request_id, "", (), True, "prefix", len(tokens), 0, cached_tokens=cached
+        )
+
+    def _prefix_tokens(self, request: GenerateRequest) -> list[int]:
+        tokenizer = self.worker.tokenizer
+        if tokenizer is None:
+            return list(request.prompt) if isinstance(request.prompt, tuple) else []
+        if request.messages is not None:
+            tools = list(request.tools) if request.tools else None
+            return chat.prefix_token_ids(tokenizer, list(request.messages), tools)
+        return self.worker.encode(request.prompt)
 
     def _tokens(self, request: GenerateRequest) -> list[int] | str:
         """The prompt's token ids (text, when the model has no tokenizer: its error)."""

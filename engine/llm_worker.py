@@ -94,6 +94,7 @@ class LLMWorker(Worker):
         self.num_steps = 0
         self.num_generated = 0
         self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0  # of those, served by the prefix cache
         self.batch_tokens: deque[int] = deque(maxlen=4096)
         # time to first token: submit to the step that sampled it (the one definition);
         # inter-token latency: between two tokens of one sequence
@@ -285,6 +286,7 @@ class LLMWorker(Worker):
                 self.ttft.append(now - seq.arrival)
                 self.num_first_tokens += 1
                 self.num_prompt_tokens += len(seq.prompt_token_ids)
+                self.num_cached_tokens += seq.num_cached_tokens
             else:
                 self.itl.append(now - seq.last_token_time)
                 self.num_itl += 1
@@ -369,7 +371,8 @@ class LLMWorker(Worker):
     def model_stats(self) -> ModelStats:
         """The typed form of ``stats()`` that the layers above read."""
         s = self.stats()
-        keys = ("steps", "generated_tokens", "prompt_tokens", "preemptions", "fragmentation")
+        keys = ("steps", "generated_tokens", "prompt_tokens", "cached_tokens", "preemptions",
+                "fragmentation")  # fmt: skip
         return ModelStats(
             self.name,
             "llm",
@@ -395,6 +398,7 @@ class LLMWorker(Worker):
             "steps": self.num_steps,
             "generated_tokens": self.num_generated,
             "prompt_tokens": self.num_prompt_tokens,
+            "cached_tokens": self.num_cached_tokens,
             "preemptions": sched.num_preemptions,
             "tokens_per_page": self.kv.tokens_per_page,
             "kv_slots_allocated": slots,

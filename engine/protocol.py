@@ -70,6 +70,10 @@ class GenerateRequest:
     priority: Priority = field(default_factory=Priority)
     session: str | None = None  # requests of one session go to one replica (prefix cache)
     tools: tuple[dict, ...] | None = None  # function tools the chat template shows
+    #: The prompt is the beginning of a later request's prompt (a streamed edge's text so
+    #: far): compute and cache the KV of its tokens that cannot change as the text grows,
+    #: and produce no text. One final chunk says how many tokens were cached.
+    prefix_only: bool = False
 
     def __post_init__(self):
         if (self.prompt is None) == (self.messages is None):
@@ -85,7 +89,7 @@ class GenerationChunk:
     text: str
     token_ids: tuple[int, ...]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "prefix"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

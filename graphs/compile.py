@@ -23,9 +23,9 @@ import networkx as nx
 
 from trae_groups.graphs.errors import GraphValidationError, SourceMap, ValidationIssue
 from trae_groups.graphs.functions import FunctionPolicy
+from trae_groups.graphs.nodes import FOLLOWED_FIELDS, RESULT_FIELDS, result_fields
 from trae_groups.graphs.spec import (
     KIND_TASKS,
-    RESULT_FIELDS,
     GraphSpec,
     NodeSpec,
     PythonNode,
@@ -89,6 +89,7 @@ def check_graph(
         _check_templates(walk, name, node)
         _check_after(walk, name, node)
         _check_default(walk, name, node)
+        _check_follows(walk, name, node)
     dag = nx.DiGraph()
     dag.add_nodes_from(spec.nodes)
     for parent, child, via in walk.edges:
@@ -97,6 +98,7 @@ def check_graph(
     for name, node in spec.nodes.items():
         _check_optional(walk, dag, name, node)
     _check_cycles(walk, dag)
+    _check_holders(walk, dag)
     _check_outputs(walk)
     _check_deploy(walk)
     return walk.problems, dag
@@ -143,11 +145,21 @@ def _check_templates(walk: _Walk, name: str, node: NodeSpec | Mapping[str, Any])
         info = analyze(source, expression=condition)
         for problem in info.problems:
             walk.add(path, problem.message, name, problem.line)
+        followed = _followed(node)
         for ref in info.references:
-            message = _reference_problem(walk, name, ref.root, ref.field, ref.path)
+            if ref.root == followed:  # the stream it follows: the follows edge, not a wait
+                message = _followed_field_problem(walk, node, ref.field)
+            elif ref.root == name and sub == ("cut_when",):  # a piece's own result
+                message = _field_problem(name, _kind(node), result_fields_of(node), ref.field)
+            else:
+                message = _reference_problem(walk, name, ref.root, ref.field, ref.path)
             if message:
                 walk.add(path, message, name, ref.line)
-            elif ref.root in walk.spec.nodes and ref.root != name and name in walk.spec.nodes:
+            elif (
+                ref.root in walk.spec.nodes
+                and ref.root not in (name, followed)
+                and name in walk.spec.nodes
+            ):
                 walk.edges.append((ref.root, name, "reference"))
 
 
@@ -164,18 +176,95 @@ def _reference_problem(
     if root == name:
         return "a node cannot reference itself"
     if root in spec.nodes:
-        fields = RESULT_FIELDS[spec.nodes[root].kind]
-        if attr == "json" and spec.nodes[root].kind == "generate":
-            return _json_problem(root, spec.nodes[root].output_schema, path[1:])
-        if attr is None or fields is None or attr in fields:
-            return None
-        kind = spec.nodes[root].kind
-        return f"{kind} node '{root}' has no field '{attr}' (fields: {', '.join(sorted(fields))})"
+        node = spec.nodes[root]
+        if attr == "json" and node.kind == "generate":
+            return _json_problem(root, node.output_schema, path[1:])
+        return _field_problem(root, node.kind, result_fields(node), attr)
     if root in excused.nodes or "nodes" in excused.sections:
         return None
     return f"unknown name '{root}': not a node, and inputs are read as inputs.<name>" + _suggest(
         root, spec.nodes
     )
+
+
+def _field_problem(
+    root: str, kind: str, fields: Collection[str] | None, attr: str | None
+) -> str | None:
+    if attr is None or fields is None or attr in fields:
+        return None
+    return f"{kind} node '{root}' has no field '{attr}' (fields: {', '.join(sorted(fields))})"
+
+
+def _followed(node: NodeSpec | Mapping[str, Any]) -> str | None:
+    follows = getattr(node, "follows", None)
+    return follows.node if follows is not None else None
+
+
+def _kind(node: NodeSpec | Mapping[str, Any]) -> str:
+    return str(node.get("kind") if isinstance(node, Mapping) else node.kind)
+
+
+def result_fields_of(node: NodeSpec | Mapping[str, Any]) -> frozenset[str] | None:
+    """A per-piece result's fields: the kind's own (cut_when reads one piece's result)."""
+    return RESULT_FIELDS.get(_kind(node))
+
+
+def _followed_field_problem(walk: _Walk, node: NodeSpec, attr: str | None) -> str | None:
+    """A follower reads the followed node's text so far (and, per piece, the piece)."""
+    fields = FOLLOWED_FIELDS if node.per_piece else ("text", "tokens")
+    if attr is None or attr in fields:
+        return None
+    return (
+        f"while '{node.follows.node}' streams, a node that follows it reads "
+        f"{', '.join(fields)} of it, not '{attr}'"
+    )
+
+
+def _check_follows(walk: _Walk, name: str, node: NodeSpec) -> None:
+    """Only a generate node streams; a granularity it can reach; no waiting on it."""
+    if node.follows is None:
+        return
+    path = ("nodes", name, "follows")
+    target = node.follows.node
+    followed = walk.spec.nodes.get(target)
+    if target == name:
+        walk.add(path, "a node cannot follow itself", name)
+    elif followed is None:
+        if target not in walk.excused.nodes and "nodes" not in walk.excused.sections:
+            walk.add(path, f"unknown node '{target}'{_suggest(target, walk.spec.nodes)}", name)
+    elif followed.kind != "generate":
+        walk.add(path, f"only a generate node streams; '{target}' is a {followed.kind} node", name)
+    elif followed.follows is not None and followed.follows.node == name:
+        return  # the cycle check reports it
+    else:
+        tokens, limit = node.follows.tokens, followed.params.max_tokens
+        if tokens is not None and tokens > limit:
+            walk.add(
+                (*path, "tokens"),
+                f"a piece of {tokens} tokens never ends before '{target}' does (its "
+                f"max_tokens is {limit})",
+                name,
+            )
+        if target in node.after:
+            walk.add(path, f"follows '{target}' and waits for it in after:; choose one", name)
+        walk.edges.append((target, name, "follows"))
+
+
+def _check_holders(walk: _Walk, dag: nx.DiGraph) -> None:
+    """A holding follower must not wait for anything that waits for the node it holds:
+    that node's end waits for the follower to pass its text."""
+    for name, node in walk.spec.nodes.items():
+        if not node.holds or node.follows.node not in dag:
+            continue
+        target = node.follows.node
+        for parent, _, via in dag.in_edges(name, data="via"):
+            if via != "follows" and (parent == target or target in nx.ancestors(dag, parent)):
+                walk.add(
+                    ("nodes", name, "follows"),
+                    f"'{name}' holds back '{target}''s text until it passes it, so it "
+                    f"cannot wait for '{parent}', which waits for '{target}'",
+                    name,
+                )
 
 
 def _json_problem(root: str, schema: Any, keys: tuple[str, ...]) -> str | None:
@@ -207,7 +296,7 @@ def _check_after(walk: _Walk, name: str, node: NodeSpec) -> None:
 
 def _check_default(walk: _Walk, name: str, node: NodeSpec) -> None:
     """An `on_error: default` value stands in for a result, so it has a result's fields."""
-    fields = RESULT_FIELDS[node.kind]
+    fields = result_fields(node)
     if node.default is None or fields is None:
         return
     if not isinstance(node.default, dict) or not set(node.default) <= fields:
@@ -306,15 +395,22 @@ class CompiledGraph:
         return tuple(n for n in self.order if not self._parents[n])
 
     def parents(self, node: str) -> tuple[str, ...]:
+        """The nodes this one waits for (a followed node is not one: see followers)."""
         return self._parents[node]
+
+    def followers(self, node: str) -> tuple[str, ...]:
+        """The nodes that follow this one's stream, in run order."""
+        return tuple(n for n in self.order if (f := self.spec.nodes[n].follows) and f.node == node)
 
     def children(self, node: str) -> tuple[str, ...]:
         return tuple(c for c in self.order if node in self._parents[c])
 
     def skipped_because(self, node: str, skipped: Collection[str]) -> str | None:
         """The skip rule's first half: a skipped parent that is not `optional:`, if any."""
-        optional = self.spec.nodes[node].optional
-        for parent in self._parents[node]:
+        spec = self.spec.nodes[node]
+        optional = spec.optional
+        followed = (spec.follows.node,) if spec.follows is not None else ()
+        for parent in (*self._parents[node], *followed):
             if parent in skipped and parent not in optional:
                 return parent
         return None
@@ -336,15 +432,28 @@ class CompiledGraph:
                 node = self.output_node(output)
                 if node is not None:
                     found |= {node} | nx.ancestors(self.dag, node)
+            # a node's holding followers (guards) run whenever it does
+            holders = {n for n in self.order if self.spec.nodes[n].holds}
+            while extra := {h for h in holders - found if self.spec.nodes[h].follows.node in found}:
+                for holder in extra:
+                    found |= {holder} | nx.ancestors(self.dag, holder)
             needed = tuple(n for n in self.order if n in found)
             if len(self._needed) < NEEDED_CACHE_SIZE:
                 self._needed[key] = needed
         return needed
 
-    def outputs(self, context: Mapping[str, Any], names: Iterable[str] | None = None) -> dict:
-        """Output values from a finished context; outputs of skipped nodes are None."""
+    def outputs(
+        self, context: Mapping[str, Any], names: Iterable[str] | None = None, *, partial=False
+    ) -> dict:
+        """Output values from a finished context; outputs of skipped nodes are None, and
+        with ``partial`` (a run a guard cut short) so are those of nodes that never ran."""
         names = self.spec.outputs if names is None else names
-        return {name: resolve_reference(self.spec.outputs[name], context) for name in names}
+        return {
+            name: None
+            if partial and self.output_node(name) not in (None, *context)
+            else resolve_reference(self.spec.outputs[name], context)
+            for name in names
+        }
 
 
 def compile_graph(spec: GraphSpec) -> CompiledGraph:
@@ -359,7 +468,10 @@ def compile_graph(spec: GraphSpec) -> CompiledGraph:
         dag.nodes[node].update(kind=spec.nodes[node].kind, depth=depth[node])
     generations = tuple(tuple(sorted(g, key=order.index)) for g in nx.topological_generations(dag))
     templates = {name: NodeTemplates(node) for name, node in spec.nodes.items()}
-    parents = {n: tuple(p for p in order if dag.has_edge(p, n)) for n in order}
+    parents = {
+        n: tuple(p for p in order if dag.has_edge(p, n) and dag.edges[p, n]["via"] != "follows")
+        for n in order
+    }
     return CompiledGraph(spec, dag, depth, generations, order, templates, parents)
 
 

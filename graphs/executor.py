@@ -9,11 +9,18 @@ batches items from all in-flight requests. A failure names its node; ``on_error`
 decides whether it fails the request, skips the node or stands in a default.
 Leaving early (error, timeout, client gone) cancels the other nodes, and each
 node's engine work is aborted by the client call it was waiting on.
+
+A node that ``follows`` a generate node runs on its text as it streams (see
+graphs/streams.py): the generate node pushes its text into a ``Feed`` instead of
+emitting token events, and its followers read pieces of it. A guard's ``cut_when``
+ends the whole run at once, with the followed node's text cut at what was shown.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,8 +33,18 @@ from trae_groups.engine.protocol import ModelClient, new_request_id
 from trae_groups.engine.worker import Priority
 from trae_groups.graphs.compile import CompiledGraph
 from trae_groups.graphs.errors import GraphError, GraphTimeout, NodeError, first_error
-from trae_groups.graphs.nodes import KINDS, GenerateNode, NodeCall
+from trae_groups.graphs.nodes import KINDS, GenerateNode, NodeCall, PythonNode, generate_request
 from trae_groups.graphs.routing import VersionedModel
+from trae_groups.graphs.streams import (
+    Cut,
+    Feed,
+    cut_at_text_end,
+    follow_pieces,
+    follow_with_generator,
+    prefill_as_text_arrives,
+)
+
+log = logging.getLogger("trae_groups.graphs")
 
 
 class InputError(GraphError, ValueError):
@@ -43,7 +60,7 @@ class InputError(GraphError, ValueError):
 class NodeRecord:
     """What happened to one node of one request."""
 
-    status: str = "pending"  # ok | skipped | failed | default | cancelled
+    status: str = "pending"  # ok | skipped | failed | default | cancelled | cut
     started: float | None = None
     finished: float | None = None
     error: str | None = None
@@ -64,12 +81,14 @@ class RunResult:
     nodes: dict[str, NodeRecord]
     ms: float
     versions: dict[str, str] = field(default_factory=dict)  # model → version this request used
+    cut: dict | None = None  # a guard cut a stream: {node, follows, piece}
 
 
 @dataclass
 class Event:
-    """A streamed event: node_started, node_finished, node_skipped, token, then
-    result (``result`` set) or error (``error`` set)."""
+    """A streamed event: node_started, node_finished, node_skipped, token, piece (a
+    follower's result for one piece), then result or cut (``result`` set), or error
+    (``error`` set)."""
 
     type: str
     data: dict = field(default_factory=dict)
@@ -108,6 +127,43 @@ class _Request:
         self.versions = {n: m.choose(prepared.inputs) for n, m in executor.models.items()}
         self.clients = {n: executor.models[n].clients[v] for n, v in self.versions.items()}
         self.emit: EventSink = on_event or (lambda event: None)
+        self.feeds = self._feeds(executor.graph, needed)
+        self.cut: Cut | None = None
+        self.scope: anyio.CancelScope | None = None  # the run's: a cut cancels it
+
+    def _feeds(self, graph: CompiledGraph, needed: tuple[str, ...]) -> dict[str, Feed]:
+        """A feed for each generate node that a node of this run follows."""
+        feeds = {}
+        for name in needed:
+            followers = [f for f in graph.followers(name) if f in self.records]
+            if followers:
+                nodes = {f: graph.spec.nodes[f] for f in followers}
+                feeds[name] = Feed(
+                    name,
+                    {f: node.follows for f, node in nodes.items()},
+                    {f for f, node in nodes.items() if node.holds},
+                    lambda type, data: self.emit(Event(type, data)),
+                )
+        return feeds
+
+    def stop(self, cut: Cut) -> None:
+        """A guard cut its stream: the followed node ends with the text shown so far,
+        and every node still running is cancelled (its engine work aborted)."""
+        if self.cut is not None:
+            return
+        self.cut = cut
+        feed = self.feeds[cut.follows]
+        self.context[cut.follows] = {
+            "text": cut.safe_text,
+            "tokens": feed.tokens,
+            "finish_reason": "cut",
+        }
+        record = self.records[cut.follows]
+        record.status = "cut"
+        record.usage = {"tokens": feed.tokens, "finish_reason": "cut"}
+        self.context[cut.node] = cut.result
+        self.records[cut.node].status = "ok"
+        self.scope.cancel()
 
 
 class GraphExecutor:
@@ -175,6 +231,7 @@ class GraphExecutor:
         try:
             with anyio.fail_after(prepared.timeout):
                 async with anyio.create_task_group() as group:
+                    state.scope = group.cancel_scope
                     for name in state.records:
                         group.start_soon(self._run_node, state, name)
         except TimeoutError:
@@ -183,29 +240,45 @@ class GraphExecutor:
             raise _first_graph_error(group_error) from None
         result = RunResult(
             prepared.request_id,
-            self.graph.outputs(state.context, prepared.outputs),
+            self.graph.outputs(state.context, prepared.outputs, partial=state.cut is not None),
             state.records,
             round((time.perf_counter() - start) * 1000, 3),
             versions={m: v for m, v in state.versions.items() if len(self.models[m].clients) > 1},
+            cut=state.cut.body() if state.cut else None,
         )
         return result
 
     async def _run_node(self, request: _Request, name: str) -> None:
         record = request.records[name]
         node = self.graph.spec.nodes[name]
+        feed = request.feeds.get(name)  # this node's stream, when others follow it
         try:
             for parent in self.graph.parents(name):
                 await request.done[parent].wait()
+            if node.follows is not None:  # until its stream starts, or is skipped
+                await request.feeds[node.follows.node].opened.wait()
             if self._skip(request, name):
                 return
             record.started = time.perf_counter()
             record.status = "running"
             request.emit(Event("node_started", {"node": name}))
+            if feed is not None:
+                feed.opened.set()
+            on_text = feed.push if feed is not None else None
             try:
                 with anyio.fail_after(node.timeout):
-                    value = await self._call(request, name)
+                    if node.follows is not None:
+                        value = await self._follow(request, name, on_text)
+                    else:
+                        value = await self._call(request, name, on_text=on_text)
+                    if feed is not None:  # its text reaches the client once guards pass it
+                        feed.finish()
+                        await feed.wait_passed()
             except TimeoutError:
                 raise GraphTimeout(name, node.timeout) from None
+            if isinstance(value, Cut):
+                request.stop(value)
+                return
             request.context[name] = value
             record.status = "ok"
             if isinstance(node, GenerateNode):
@@ -215,6 +288,11 @@ class GraphExecutor:
         finally:
             if record.status in ("pending", "running"):
                 record.status = "cancelled"
+            if feed is not None and record.status in ("skipped", "default"):
+                feed.opened.set()
+                feed.finish()  # its followers get no (more) pieces
+            if node.holds and request.cut is None and record.status in ("ok", "skipped", "default"):
+                request.feeds[node.follows.node].stop_holding(name)
             record.finished = time.perf_counter() if record.started else None
             if record.status != "skipped" and record.started is not None:
                 data = {"node": name, "status": record.status, "ms": record.ms, **record.usage}
@@ -257,22 +335,80 @@ class GraphExecutor:
                 raise exc
             raise NodeError(name, exc) from exc
 
-    async def _call(self, request: _Request, name: str) -> Any:
-        """One node's work: render its templates, then its kind runs it."""
+    def _node_call(self, request: _Request, name: str, payload: dict, **extra: Any) -> NodeCall:
         node = self.graph.spec.nodes[name]
         model = getattr(node, "model", None)
-        call = NodeCall(
+        return NodeCall(
             name=name,
             node=node,
-            payload=self.graph.templates[name].render(request.context),
+            payload=payload,
             request_id=request.request_id,
             priority=Priority(self.graph.depth[name], request.arrival),
             session=request.prepared.session,
             client=request.clients[model] if model is not None else None,
             function=self.functions.get(name),
             emit=lambda type, data: request.emit(Event(type, data)),
+            **extra,
         )
-        return await KINDS[node.kind].run(call)
+
+    async def _call(
+        self, request: _Request, name: str, context: Mapping[str, Any] | None = None, **extra
+    ) -> Any:
+        """One node's work: render its templates, then its kind runs it."""
+        payload = self.graph.templates[name].render(request.context if context is None else context)
+        call = self._node_call(request, name, payload, **extra)
+        return await KINDS[call.node.kind].run(call)
+
+    # -- streamed edges ---------------------------------------------------------
+    async def _follow(self, request: _Request, name: str, on_text) -> Any:
+        """A follower's work: per piece of the followed stream, or (a generate node)
+        prefilling its prompt as the text arrives, then once at the end."""
+        node = self.graph.spec.nodes[name]
+        followed = node.follows.node
+        feed = request.feeds[followed]
+        with_view = lambda view: {**request.context, followed: view}  # noqa: E731
+        if isinstance(node, GenerateNode):
+            await prefill_as_text_arrives(
+                feed, name, prefill=lambda view: self._prefill(request, name, with_view(view))
+            )
+            await request.done[followed].wait()
+            return await self._call(request, name, on_text=on_text)
+        cut = self.graph.templates[name].cut_when
+        should_cut = (
+            None
+            if cut is None
+            else lambda view, value: cut.evaluate({**with_view(view), name: value})
+        )
+        emit = lambda type, data: request.emit(Event(type, data))  # noqa: E731
+        function = self.functions.get(name)
+        if isinstance(node, PythonNode) and inspect.isasyncgenfunction(function):
+            args = self.graph.templates[name].render(with_view(feed.view(None)))["args"]
+            return await follow_with_generator(
+                feed, name, start=lambda texts: function(texts, **args), should_cut=should_cut,
+                emit=emit,
+            )  # fmt: skip
+        return await follow_pieces(
+            feed,
+            name,
+            run_piece=lambda view: self._call(request, name, with_view(view)),
+            should_cut=should_cut,
+            emit=emit,
+        )
+
+    async def _prefill(self, request: _Request, name: str, context: Mapping[str, Any]) -> None:
+        """Cache the KV of a generate follower's prompt up to the text so far. Best
+        effort: what fails here fails again, with its real error, in the final call."""
+        try:
+            prefix = cut_at_text_end(self.graph.templates[name].render(context))
+            if prefix is None:
+                return
+            call = self._node_call(request, name, prefix)
+            warm = generate_request(call, prefix, f"{call.work_id}/prefix", prefix_only=True)
+            async with contextlib.aclosing(call.client.generate(warm)) as chunks:
+                async for _ in chunks:
+                    pass
+        except Exception as exc:
+            log.debug("prefill of %s/%s skipped: %s", request.request_id, name, exc)
 
     # -- streaming ------------------------------------------------------------
     async def stream(self, request: Prepared | dict, **prepare: Any) -> AsyncIterator[Event]:
@@ -290,7 +426,8 @@ class GraphExecutor:
             async with send:
                 try:
                     result = await self.run(prepared, on_event=sink)
-                    sink(Event("result", {"outputs": result.outputs}, result=result))
+                    ending = "cut" if result.cut else "result"
+                    sink(Event(ending, {"outputs": result.outputs}, result=result))
                 except GraphError as exc:
                     sink(Event("error", error_body(exc), error=exc))
 

@@ -47,8 +47,49 @@ from trae_groups.graphs.types import (
 # ---------------------------------------------------------------- what every node shares
 
 
+class Follows(Spec):
+    """A streamed edge: the node runs on a generate node's text while it is generated,
+    once per piece (docs/graphs.md, "Streamed edges"). A piece ends at a sentence or line
+    end (``every``), or every ``tokens`` tokens, or every ``chars`` characters; the text
+    left when the generation ends is the last piece."""
+
+    node: str
+    every: Literal["sentence", "line"] | None = None
+    tokens: int | None = Field(None, ge=1)
+    chars: int | None = Field(None, ge=1)
+    #: Pieces that may wait for a slow follower; past that, new text joins the last one.
+    buffer: int = Field(16, ge=1, le=4096)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        value = {"node": value} if isinstance(value, str) else value
+        if isinstance(value, Mapping) and all(
+            value.get(k) is None for k in ("every", "tokens", "chars")
+        ):
+            value = {**value, "every": "sentence"}
+        return value
+
+    @model_validator(mode="after")
+    def _one_granularity(self) -> Follows:
+        given = [k for k in ("every", "tokens", "chars") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of every, tokens or chars, not {' and '.join(given)}")
+        return self
+
+
+#: What a follower's templates read of the node it follows, while it streams.
+FOLLOWED_FIELDS = ("text", "piece", "index", "tokens")
+#: What a per-piece follower's result holds: every piece's result, and the last one's.
+FOLLOWER_RESULT = {
+    "pieces": {"type": "array", "description": "the result for each piece, in order"},
+    "last": {"description": "the result for the last piece (null before any)"},
+}
+
+
 class NodeBase(Spec):
-    """What every node kind shares: condition, ordering, timeout, error policy."""
+    """What every node kind shares: condition, ordering, timeout, error policy, and
+    following a generate node's stream."""
 
     #: Fields whose strings are templates (rendered per request, in this order).
     TEMPLATES: ClassVar[tuple[str, ...]] = ()
@@ -60,12 +101,37 @@ class NodeBase(Spec):
     on_error: Literal["fail", "skip", "default"] = "fail"
     default: JsonValue = None
     description: str | None = None
+    follows: Follows | None = None
+    #: A condition on each piece's result (the node's own name): true cuts the stream.
+    cut_when: str | None = None
+    #: The followed text reaches the client only once this node has passed it
+    #: (default: true for a node with ``cut_when``, a guard).
+    hold: bool | None = None
 
     @model_validator(mode="after")
     def _default_needs_policy(self) -> NodeBase:
         if self.default is not None and self.on_error != "default":
             raise ValueError("'default' is only used with 'on_error: default'")
         return self
+
+    @model_validator(mode="after")
+    def _guards_follow(self) -> NodeBase:
+        for key in ("cut_when", "hold"):
+            if getattr(self, key) is not None and self.follows is None:
+                raise ValueError(f"'{key}' is for a node that follows a stream ('follows:')")
+        return self
+
+    @property
+    def holds(self) -> bool:
+        """Whether the followed text waits for this node before the client sees it."""
+        return self.follows is not None and (
+            self.hold if self.hold is not None else self.cut_when is not None
+        )
+
+    @property
+    def per_piece(self) -> bool:
+        """Runs once per piece of a followed stream (a generate follower runs once)."""
+        return self.follows is not None
 
     def check_rendered(self, payload: dict[str, Any]) -> dict[str, Any]:
         """The rendered templates, checked for the shapes this kind needs."""
@@ -86,6 +152,9 @@ class NodeCall:
     client: ModelClient | None = None
     function: Callable[..., Any] | None = None
     emit: Callable[[str, dict], None] = lambda type, data: None
+    #: Where a followed generate node's new text goes (with its token count) instead of
+    #: straight to the client as token events: the nodes that follow it (graphs/streams.py).
+    on_text: Callable[[str, int], None] | None = None
 
     @property
     def work_id(self) -> str:
@@ -274,6 +343,19 @@ class GenerateNode(NodeBase):
         return self
 
     @model_validator(mode="after")
+    def _follows_once(self) -> GenerateNode:
+        if self.follows is not None and (self.cut_when is not None or self.hold):
+            raise ValueError(
+                "a generate node that follows a stream runs once, at its end (its prompt "
+                "is prefilled as the text arrives): it cannot cut_when or hold"
+            )
+        return self
+
+    @property
+    def per_piece(self) -> bool:
+        return False
+
+    @model_validator(mode="after")
     def _schema_compiles(self) -> GenerateNode:
         if self.output_schema is not None:
             try:
@@ -313,31 +395,32 @@ class GenerateNode(NodeBase):
         }
 
 
+def generate_request(
+    call: NodeCall, payload: Mapping[str, Any], request_id: str, **extra: Any
+) -> GenerateRequest:
+    """A generate node's engine request from its rendered prompt or messages. A node
+    that follows a stream keeps to one replica (its prefixes were cached there)."""
+    node: GenerateNode = call.node
+    session = call.session or (call.work_id if node.follows is not None else None)
+    if node.prompt is not None:
+        text = {"prompt": str(payload["prompt"])}
+    else:
+        text = {"messages": tuple(payload["messages"])}
+    return GenerateRequest(
+        request_id, node.sampling(), priority=call.priority, session=session, **text, **extra
+    )
+
+
 async def _generate(call: NodeCall) -> dict:
     node: GenerateNode = call.node
-    if node.prompt is not None:
-        prompt = call.payload["prompt"]
-        request = GenerateRequest(
-            call.work_id,
-            node.sampling(),
-            prompt=str(prompt),
-            priority=call.priority,
-            session=call.session,
-        )
-    else:
-        messages = tuple(call.payload["messages"])
-        request = GenerateRequest(
-            call.work_id,
-            node.sampling(),
-            messages=messages,
-            priority=call.priority,
-            session=call.session,
-        )
+    request = generate_request(call, call.payload, call.work_id)
     pieces: list[str] = []
     last = None
     async with aclosing(call.client.generate(request)) as chunks:  # leaving aborts the work
         async for chunk in chunks:
-            if chunk.text or chunk.token_ids:
+            if call.on_text is not None:
+                call.on_text(chunk.text, len(chunk.token_ids))
+            elif chunk.text or chunk.token_ids:
                 call.emit("token", {"node": call.name, "text": chunk.text})
             pieces.append(chunk.text)
             last = chunk
@@ -442,6 +525,18 @@ RESULT_FIELDS: dict[str, frozenset[str] | None] = {
 TEMPLATE_FIELDS: tuple[str, ...] = tuple(
     dict.fromkeys(f for k in KINDS.values() for f in k.spec.TEMPLATES)
 )
+
+
+def result_schema(node: NodeBase) -> Mapping[str, dict] | None:
+    """Each field of this node's result, as JSON Schema (a per-piece follower's result
+    lists its pieces' results, whatever its kind); None: whatever a function returns."""
+    return FOLLOWER_RESULT if node.per_piece else KINDS[node.kind].result
+
+
+def result_fields(node: NodeBase) -> frozenset[str] | None:
+    """The fields of this node's result (see result_schema)."""
+    schema = result_schema(node)
+    return None if schema is None else frozenset(schema)
 
 
 def _node_tag(value: Any) -> str | None:

@@ -167,14 +167,15 @@ def _const(node: nodes.Node) -> Any:
 
 def node_templates(node: NodeBase | Mapping[str, Any]) -> Iterator[tuple[tuple, str, bool]]:
     """Every template of a node as (path inside the node, source, is_condition): its
-    ``when`` and every string inside its kind's template fields.
+    ``when`` and ``cut_when`` and every string inside its kind's template fields.
 
     Takes a raw mapping too, so templates of a node that failed its shape checks
     are still checked (all fields that are templates in any kind).
     """
     fields = node.model_dump() if isinstance(node, BaseModel) else node
-    if isinstance(fields.get("when"), str):
-        yield ("when",), fields["when"], True
+    for condition in ("when", "cut_when"):
+        if isinstance(fields.get(condition), str):
+            yield (condition,), fields[condition], True
     kind = KINDS.get(fields.get("kind")) if isinstance(fields.get("kind"), str) else None
     for key in kind.spec.TEMPLATES if kind else TEMPLATE_FIELDS:
         yield from _value_templates((key,), fields.get(key))
@@ -302,6 +303,7 @@ class NodeTemplates:
     def __init__(self, node: NodeBase):
         self.node = node
         self.when = Condition(node.when) if node.when is not None else None
+        self.cut_when = Condition(node.cut_when) if node.cut_when is not None else None
         self._payload = {
             key: _compile_value(_plain(getattr(node, key)))
             for key in node.TEMPLATES

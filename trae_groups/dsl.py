@@ -156,11 +156,13 @@ class ModelGroup:
         default: Any = None,
         description: str | None = None,
         output_schema: Any = None,
+        follows: Ref | str | Mapping[str, Any] | None = None,
         **params: Any,
     ) -> Ref:
         """Causal LM from a prompt or chat messages; sampling parameters as keywords
         (``max_tokens=64``) or as one ``params={...}`` mapping, as in YAML.
-        ``output_schema``: a JSON Schema, or a pydantic model class (its schema)."""
+        ``output_schema``: a JSON Schema, or a pydantic model class (its schema).
+        ``follows``: a generate node whose text this prompt reads, prefilled as it streams."""
         if isinstance(params.get("params"), Mapping):
             params = {**params.pop("params"), **params}
         if isinstance(output_schema, type) and issubclass(output_schema, BaseModel):
@@ -174,6 +176,7 @@ class ModelGroup:
         }
         common = {"when": when, "after": after, "optional": optional, "timeout": timeout}
         common |= {"on_error": on_error, "default": default, "description": description}
+        common["follows"] = follows
         return self._node(name, "generate", fields, common)
 
     def python(
@@ -198,6 +201,13 @@ class ModelGroup:
             common[key] = [_root(n) for n in names] or None
         if common.get("on_error") == "fail":
             common.pop("on_error")
+        follows = common.get("follows")  # follows=reply, or {"node": reply, "tokens": 8}
+        if isinstance(follows, Mapping):
+            common["follows"] = {**follows, "node": _root(follows.get("node"))}
+        elif follows is not None:
+            common["follows"] = _root(follows)
+        if isinstance(common.get("cut_when"), Ref):
+            common["cut_when"] = path_of(common["cut_when"])
         self._put("nodes", name, _clean({"kind": kind, **fields, **common}))
         return Ref(name)
 

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 from trae_groups.app_state import CLIENT_GONE, AppState, ServedGraph
 from trae_groups.graphs.errors import first_error
 from trae_groups.graphs.executor import RunResult
-from trae_groups.graphs.nodes import KINDS
+from trae_groups.graphs.nodes import result_schema
 from trae_groups.graphs.spec import GraphSpec
 from trae_groups.http_errors import bad_request, error_body, status_of
 from trae_groups.http_io import Emit, EventStream, ResultResponse, read_json, sse, until_disconnect
@@ -62,6 +62,8 @@ def result_body(result: RunResult) -> dict:
     }
     if result.versions:  # models with several versions: the one this request used
         body["versions"] = result.versions
+    if result.cut:  # a guard stopped a stream: {node, follows, piece}
+        body["cut"] = result.cut
     return body
 
 
@@ -108,9 +110,9 @@ def _graph_events(state: AppState, served: ServedGraph, executor, prepared):
         start = time.perf_counter()
         try:
             async for event in executor.stream(prepared):
-                if event.type == "result":
+                if event.type in ("result", "cut"):  # cut: a guard ended the run early
                     state.record(served, start, event.result)
-                    await emit(sse("result", result_body(event.result)))
+                    await emit(sse(event.type, result_body(event.result)))
                 elif event.type == "error":
                     await _error_event(emit, state, served, start, event.error)
                 else:
@@ -147,7 +149,7 @@ def output_schema(spec: GraphSpec) -> dict:
         elif rest[0] == "json" and getattr(spec.nodes[root], "output_schema", None):
             schema = typed(spec.nodes[root].output_schema, rest[1:])
         elif len(rest) == 1:
-            schema = dict((KINDS[spec.nodes[root].kind].result or {}).get(rest[0], {}))
+            schema = dict((result_schema(spec.nodes[root]) or {}).get(rest[0], {}))
         else:
             schema = {}
         properties[name] = {"anyOf": [schema, {"type": "null"}]} if schema else {}

@@ -361,6 +361,7 @@ def _llm_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
     counters = [
         ("trae_llm_generated_tokens", "Tokens generated", "generated_tokens"),
         ("trae_llm_prompt_tokens", "Prompt tokens prefilled", "prompt_tokens"),
+        ("trae_llm_cached_prompt_tokens", "Prompt tokens the prefix cache served", "cached_tokens"),
         ("trae_llm_preemptions", "Sequences preempted for room", "preemptions"),
         ("trae_llm_steps", "Batches run", "steps"),
     ]

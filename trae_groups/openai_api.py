@@ -500,7 +500,7 @@ class _GraphCall:
                 elif event.type == "error":
                     self.state.record(served, start, None, event.error)
                     raise event.error
-                elif event.type == "result":
+                elif event.type in ("result", "cut"):
                     result = event.result
         except GraphError:
             raise  # recorded above
@@ -514,10 +514,11 @@ class _GraphCall:
         text, sent = result.outputs.get(self.target.output) or "", "".join(streamed)
         rest = text[len(sent) :] if text.startswith(sent) else ""
         usage = result.nodes[node].usage
+        reason = usage.get("finish_reason")
         await on_piece(
             _Piece(
                 rest,
-                "length" if usage.get("finish_reason") == "length" else "stop",
+                {"length": "length", "cut": "content_filter"}.get(reason, "stop"),
                 usage.get("prompt_tokens", 0),
                 usage.get("tokens", 0),
             )
