@@ -60,7 +60,7 @@ class LocalEncoder:
 OFFLOAD_CHARS = 16_384
 #: Tokens at the end of a prefix that are not cached: a word cut by the stream's edge may
 #: tokenize differently once the rest of it arrives.
-PREFIX_HOLDBACK = 8
+PREFIX_HOLDBACK = 4
 _PREFIX_PARAMS = SamplingParams(max_tokens=1)
 
 
