@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(600)
 
 ENGINE = EngineConfig(pool_bytes=8 << 20, fast_linear=False, num_threads=1)
 TEXTS = ["hello where is my order", "john wants a refund", "ship to paris please"]
-SHORT = ["intent", "reply"]  # the outputs most tests ask for (story is 1,500 tokens)
+SHORT = ["intent", "reply", "recap", "checked"]  # what most tests ask for (story is 1,500 tokens)
 
 
 def graph_yaml(root: Path, deploy: str) -> str:
@@ -49,7 +49,18 @@ nodes:
     prompt: "Intent: {{{{ intent.label }}}}. User: {{{{ inputs.text }}}}. Assistant:"
     params: {{max_tokens: 8}}
   story: {{model: dialog, prompt: "Story: {{{{ inputs.text }}}}", params: {{max_tokens: 1500}}}}
-outputs: {{intent: intent.label, reply: reply.text, story: story.text}}
+  check:  # a guard on the reply's stream (it holds the reply's tokens until it passes them)
+    model: intent
+    follows: {{node: reply, tokens: 3}}
+    input: "{{{{ reply.piece }}}}"
+    cut_when: "check.label == 'never'"
+  recap:  # prefilled on the llm group's replica as the reply streams
+    model: dialog
+    follows: {{node: reply, tokens: 2}}
+    prompt: "Intent: {{{{ intent.label }}}}. User: {{{{ inputs.text }}}}. Recap: {{{{ reply.text }}}}"
+    params: {{max_tokens: 4}}
+outputs: {{intent: intent.label, reply: reply.text, story: story.text, recap: recap.text,
+           checked: check.last.label}}
 deploy:
   ingress: {{num_cpus: 0.1}}
 {deploy}
@@ -258,7 +269,11 @@ def test_streaming_and_openai(http):
         events = sse(response)
     kinds = [k for k, _ in events]
     assert kinds[-2:] == ["result", "done"] and "token" in kinds
-    assert "".join(d["text"] for k, d in events if k == "token") == whole["outputs"]["reply"]
+    reply = "".join(d["text"] for k, d in events if k == "token" and d["node"] == "reply")
+    assert reply == whole["outputs"]["reply"]
+    recap = "".join(d["text"] for k, d in events if k == "token" and d["node"] == "recap")
+    assert recap == whole["outputs"]["recap"]
+    assert {d["node"] for k, d in events if k == "piece"} == {"check"}  # the guard ran
     assert events[-2][1]["outputs"] == whole["outputs"]
     done = http.post(
         "/v1/completions",

@@ -230,14 +230,17 @@ class AppState:
             raise
         self.settle_heap(refreeze=False)
         stats = runtime.stats()
-        log.info(
-            "ready: %d graph(s) on device %s, attention backend %s, pool %d pages x %d bytes",
-            len(self.graphs),
-            stats.device,
-            stats.attention_backend,
-            stats.pool.num_pages,
-            stats.pool.page_bytes,
-        )
+        if stats is None:  # engines elsewhere that have not posted stats yet
+            log.info("ready: %d graph(s)", len(self.graphs))
+        else:
+            log.info(
+                "ready: %d graph(s) on device %s, attention backend %s, pool %d pages x %d bytes",
+                len(self.graphs),
+                stats.device,
+                stats.attention_backend,
+                stats.pool.num_pages,
+                stats.pool.page_bytes,
+            )
         self.ready = True
 
     def close(self) -> None:

@@ -28,6 +28,8 @@ from trae_groups.graphs.spec import GraphSpec
 from trae_groups.server import create_app
 
 log = logging.getLogger("trae_groups.cluster")
+#: How long a read of the stats board may take before the last posts stand in.
+BOARD_TIMEOUT_S = 5.0
 
 #: A graph as it travels to replicas: (YAML text, file name, folder relative sources count from).
 GraphSource = tuple[str, str, str | None]
@@ -41,6 +43,7 @@ class RemoteRuntime:
         self.app = app
         self.graphs: dict[str, GraphExecutor] = {}
         self._board = board(app)
+        self._last_posts: dict = {}
 
     def start(self) -> None:
         pass  # the replicas started their own engines
@@ -95,18 +98,23 @@ class RemoteRuntime:
         raise RouteError("on Ray, versions are unloaded by deploying: remove it from the file")
 
     # -- stats ---------------------------------------------------------------------
+    def _posts(self) -> dict:
+        """The stats board's posts; the last ones read when the board is slow to answer
+        (a busy cluster), so a metrics scrape or a log line never fails a request."""
+        import ray
+
+        try:
+            self._last_posts = ray.get(self._board.read.remote(), timeout=BOARD_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            log.warning("the stats board did not answer in %s s: stats are stale", BOARD_TIMEOUT_S)
+        return self._last_posts
+
     def replica_stats(self) -> dict[str, EngineStats]:
         """Each live engine replica's stats, from the stats board."""
-        posts = self._board.read.remote()
-        import ray
-
-        return {replica: stats for replica, (_g, _pid, stats) in ray.get(posts, timeout=5).items()}
+        return {replica: stats for replica, (_g, _pid, stats) in self._posts().items()}
 
     def replica_pids(self) -> dict[str, tuple[str, int]]:
-        import ray
-
-        posts = ray.get(self._board.read.remote(), timeout=5)
-        return {replica: (group, pid) for replica, (group, pid, _s) in posts.items()}
+        return {replica: (group, pid) for replica, (group, pid, _s) in self._posts().items()}
 
     def stats(self) -> EngineStats | None:
         return summed(list(self.replica_stats().values()))
