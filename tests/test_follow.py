@@ -393,3 +393,16 @@ def test_the_dsl_declares_the_same_streamed_edges_as_yaml(dirs):
     assert spec.nodes["guard"].follows == Follows(node="reply", tokens=4)
     assert spec.nodes["guard"].holds and spec.nodes["guard"].cut_when == "guard.label == 'unsafe'"
     assert spec.nodes["summary"].follows == Follows(node="reply", every="sentence")
+
+
+def test_trae_show_draws_streamed_edges_apart(dirs):
+    from trae_groups.drawing import as_dot, as_mermaid, as_text
+    from trae_groups.graphs.compile import compile_graph
+
+    nodes = GUARD.replace("tokens: 4", "chars: 9")
+    compiled = compile_graph(load_graph_text(graph(dirs, nodes), "followed.yaml"))
+    assert "reply ==>|streams| guard" in as_mermaid(compiled)
+    assert '"reply" -> "guard" [style=bold, label="streams"];' in as_dot(compiled)
+    assert "guard [python: follow_nodes:check]  (follows reply's stream, every 9 chars)" in (
+        as_text(compiled)
+    )

@@ -45,6 +45,11 @@ def as_text(graph: CompiledGraph) -> str:
             line = f"  {name} [{_label(graph, name)}]"
             if sources:
                 line += " <- " + ", ".join(sources)
+            if node.follows is not None:
+                f = node.follows
+                grain = f"every {f.every}" if f.every else f"every {f.tokens or f.chars} "
+                grain += "" if f.every else ("tokens" if f.tokens else "chars")
+                line += f"  (follows {f.node}'s stream, {grain})"
             if node.when:
                 line += f"  (when {node.when})"
             lines.append(line)
@@ -53,13 +58,23 @@ def as_text(graph: CompiledGraph) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _edges(graph: CompiledGraph) -> list[tuple[str, str, bool]]:
-    """(from, to, waits_only): every DAG edge, plus inputs -> node and node -> outputs."""
-    edges = [("inputs", n, False) for n in graph.order if inputs_read(graph.spec.nodes[n])]
-    edges += [(a, b, data.get("via") == "after") for a, b, data in graph.dag.edges(data=True)]
+def _edges(graph: CompiledGraph) -> list[tuple[str, str, str]]:
+    """(from, to, via): every DAG edge (via reference, after or follows), plus inputs ->
+    node and node -> outputs."""
+    edges = [("inputs", n, "reference") for n in graph.order if inputs_read(graph.spec.nodes[n])]
+    edges += [(a, b, data.get("via", "reference")) for a, b, data in graph.dag.edges(data=True)]
     for name in dict.fromkeys(n for o in graph.spec.outputs if (n := graph.output_node(o))):
-        edges.append((name, "outputs", False))
+        edges.append((name, "outputs", "reference"))
     return edges
+
+
+#: How each kind of edge is drawn: a wait without data dashed, a stream thick.
+_MERMAID_ARROWS = {"reference": "-->", "after": "-.->", "follows": "==>|streams|"}
+_DOT_STYLES = {
+    "reference": "",
+    "after": " [style=dashed]",
+    "follows": ' [style=bold, label="streams"]',
+}
 
 
 def as_mermaid(graph: CompiledGraph) -> str:
@@ -69,8 +84,8 @@ def as_mermaid(graph: CompiledGraph) -> str:
         shape = '{{"%s"}}' if spec.nodes[name].when else '["%s"]'
         lines.append(f"  {name}" + shape % f"{name}<br/>{_label(graph, name)}")
     lines.append(f"  outputs([outputs: {', '.join(spec.outputs)}])")
-    for a, b, waits in _edges(graph):
-        lines.append(f"  {a} {'-.->' if waits else '-->'} {b}")
+    for a, b, via in _edges(graph):
+        lines.append(f"  {a} {_MERMAID_ARROWS[via]} {b}")
     return "\n".join(lines) + "\n"
 
 
@@ -88,8 +103,8 @@ def as_dot(graph: CompiledGraph) -> str:
         label = _quote(f"{name}\n{_label(graph, name)}")
         lines.append(f"  {_quote(name)} [label={label}{style}];")
     lines.append(f"  outputs [shape=oval, label={_quote('outputs: ' + ', '.join(spec.outputs))}];")
-    for a, b, waits in _edges(graph):
-        lines.append(f"  {_quote(a)} -> {_quote(b)}{' [style=dashed]' if waits else ''};")
+    for a, b, via in _edges(graph):
+        lines.append(f"  {_quote(a)} -> {_quote(b)}{_DOT_STYLES[via]};")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
