@@ -85,7 +85,7 @@ class GenerationChunk:
     text: str
     token_ids: tuple[int, ...]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "deadline" | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

@@ -1,4 +1,4 @@
-"""Admission by capacity: refuse early what could only be answered late.
+"""Admission by capacity and by deadline: refuse early what could only be answered late.
 
 A fixed in-flight cap alone lets a burst queue until its requests time out (200
 concurrent runs of a graph queued ~45 s and most ended in 504). So each graph also
@@ -16,8 +16,11 @@ and it decays (``HALF_LIFE_S``) so it follows a change of load or of models. Unt
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 HALF_LIFE_S = 10.0  # busy seconds after which old completions count half
 MIN_SAMPLES = 8  # completions before the estimate is trusted
@@ -78,3 +81,89 @@ def overloaded(rate: ServiceRate, inflight: int, limit_s: float) -> int | None:
     if wait is None or wait <= budget:
         return None
     return max(1, math.ceil(wait - budget))
+
+
+# ---------------------------------------------------------------- by deadline
+#
+# A request whose deadline drops late work (``on_deadline: drop``) is refused at once,
+# 503 with Retry-After and the estimate, when the estimate says it cannot make it:
+#
+#     estimate = max(critical path, (requests due first + 1) / service rate)
+#
+# The critical path is the longest chain of the graph's nodes, each at its measured
+# run time (a decayed mean of recent runs): no request answers faster. The second
+# term is Little's law over the requests that will be served before this one: those
+# in flight with an earlier deadline when the engine orders by deadline, else all of
+# them. Until a graph has measured both, only what it has measured counts.
+
+NODE_TIME_WEIGHT = 0.2  # weight of each new run in a node's decayed mean run time
+
+
+class NodeTimes:
+    """Each node's recent run time, seconds (decayed mean of ``NODE_TIME_WEIGHT``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def observe(self, node: str, seconds: float) -> None:
+        old = self.seconds.get(node)
+        self.seconds[node] = seconds if old is None else old + NODE_TIME_WEIGHT * (seconds - old)
+
+    def critical_path(self, order: Sequence[str], parents: Callable[[str], Iterable[str]]) -> float:
+        """The longest chain's run time through nodes in topological ``order``."""
+        finish: dict[str, float] = {}
+        for node in order:
+            start = max((finish.get(p, 0.0) for p in parents(node)), default=0.0)
+            finish[node] = start + self.seconds.get(node, 0.0)
+        return max(finish.values(), default=0.0)
+
+
+class DeadlineBook:
+    """The deadlines (epoch seconds) of the requests in flight, sorted; +inf for none."""
+
+    def __init__(self) -> None:
+        self._due: list[float] = []
+
+    def add(self, at: float) -> None:
+        bisect.insort(self._due, at)
+
+    def remove(self, at: float) -> None:
+        i = bisect.bisect_left(self._due, at)
+        if i < len(self._due) and self._due[i] == at:
+            del self._due[i]
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def due_before(self, at: float) -> int:
+        """How many are due no later than ``at``."""
+        return bisect.bisect_right(self._due, at)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request cannot make its deadline, and when to retry."""
+
+    estimate: float  # seconds the request would take
+    left: float  # seconds to its deadline
+    ahead: int  # requests served before it
+    path: float  # the graph's critical path, seconds
+    retry_after: int
+
+    @property
+    def reason(self) -> str:
+        return (
+            f"estimated {self.estimate:.2f} s (critical path {self.path:.2f} s, "
+            f"{self.ahead} request(s) served first) against {max(self.left, 0.0):.2f} s "
+            "left to its deadline"
+        )
+
+
+def unreachable(rate: ServiceRate, ahead: int, path: float, left: float) -> Refusal | None:
+    """A Refusal when the estimate (see above) passes the ``left`` seconds, else None."""
+    per_second = rate.per_second
+    queue = (ahead + 1) / per_second if per_second else 0.0
+    estimate = max(path, queue)
+    if estimate <= left:
+        return None
+    return Refusal(estimate, left, ahead, path, max(1, math.ceil(estimate - max(left, 0.0))))

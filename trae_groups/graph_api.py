@@ -8,6 +8,7 @@ A streamed run sends ``node_started``, ``node_finished``, ``node_skipped`` and
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -33,6 +34,28 @@ class RunRequest(BaseModel):
     outputs: list[str] | None = Field(None, description="outputs to compute (default: all)")
     stream: bool = Field(False, description="answer with Server-Sent Events")
     timeout: float | None = Field(None, gt=0, description="seconds; capped by the graph's own")
+
+
+#: An absolute deadline for the request: Unix time in seconds (``1764505800.25``); the
+#: tightest of it, the body's ``timeout`` and the graph's ``timeout`` is the deadline.
+DEADLINE_HEADER = "x-request-deadline"
+
+
+def header_deadline(request: Request) -> float | None:
+    """The ``X-Request-Deadline`` header's epoch seconds (400 naming it when malformed)."""
+    raw = request.headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise bad_request(
+            f"X-Request-Deadline: must be Unix time in seconds, e.g. 1764505800.25, not {raw!r}",
+            "X-Request-Deadline",
+        )
+    return value
 
 
 def parse_run_request(body: Any) -> RunRequest:
@@ -69,6 +92,7 @@ async def run_graph(request: Request) -> Response:
     state: AppState = request.app.state.trae
     served = state.graph(request.path_params["name"])
     body = parse_run_request(await read_json(request, state.config.max_body_bytes))
+    deadline = header_deadline(request)
     ticket = state.admit(served)
     try:
         prepared = ticket.executor.prepare(
@@ -76,7 +100,9 @@ async def run_graph(request: Request) -> Response:
             outputs=body.outputs,
             timeout=body.timeout,
             session=request.headers.get("x-session-id"),
+            deadline=deadline,
         )
+        state.admit_deadline(ticket, prepared.deadline)
     except Exception as exc:
         ticket.release()
         state.record(served, time.perf_counter(), None, exc)
@@ -91,11 +117,11 @@ async def run_graph(request: Request) -> Response:
             request.receive, lambda: ticket.executor.run(prepared)
         )
     except Exception as exc:
-        state.record(served, start, None, exc)
+        state.record(served, start, None, exc, prepared.deadline)
         raise
     finally:
         ticket.release()
-    state.record(served, start, result)
+    state.record(served, start, result, deadline=prepared.deadline)
     if result is None:
         return Response(status_code=CLIENT_GONE)
     return ResultResponse(result_body(result), headers=headers)
@@ -109,14 +135,14 @@ def _graph_events(state: AppState, served: ServedGraph, executor, prepared):
         try:
             async for event in executor.stream(prepared):
                 if event.type == "result":
-                    state.record(served, start, event.result)
+                    state.record(served, start, event.result, deadline=prepared.deadline)
                     await emit(sse("result", result_body(event.result)))
                 elif event.type == "error":
-                    await _error_event(emit, state, served, start, event.error)
+                    await _error_event(emit, state, served, start, event.error, prepared)
                 else:
                     await emit(sse(event.type, event.data))
         except Exception as exc:
-            await _error_event(emit, state, served, start, exc)
+            await _error_event(emit, state, served, start, exc, prepared)
         except BaseException:
             state.record(served, start, None)  # the client left
             raise
@@ -125,8 +151,10 @@ def _graph_events(state: AppState, served: ServedGraph, executor, prepared):
     return produce
 
 
-async def _error_event(emit: Emit, state: AppState, served, start: float, error) -> None:
-    state.record(served, start, None, error)
+async def _error_event(
+    emit: Emit, state: AppState, served, start: float, error, prepared=None
+) -> None:
+    state.record(served, start, None, error, prepared.deadline if prepared else None)
     await emit(sse("error", {**error_body(error), "status": status_of(error)}))
 
 
