@@ -192,14 +192,14 @@ def test_on_deadline_is_checked_at_load_with_file_and_line():
 # ---------------------------------------------------------------- over HTTP
 
 MODULE = "deadline_test_nodes"
-SOURCE = '''
+SOURCE = """
 import anyio
 
 
 async def nap(seconds: float) -> dict:
     await anyio.sleep(seconds)
     return {"slept": seconds}
-'''
+"""
 GRAPHS = {
     # refused at admission when the measured critical path cannot fit
     "napping": """
