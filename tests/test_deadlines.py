@@ -271,6 +271,19 @@ def test_a_request_that_cannot_make_its_deadline_is_refused_with_503(server):
     assert bad.status_code == 400 and bad.json()["error"]["field"] == "X-Request-Deadline"
 
 
+def test_without_deadline_admission_the_same_request_is_admitted_and_misses(tmp_path):
+    (tmp_path / "napping.yaml").write_text(GRAPHS["napping"])
+    config = ServerConfig(deadline_admission=False)
+    with (
+        node_module(tmp_path, MODULE, SOURCE),
+        ServerThread(create_app([tmp_path / "napping.yaml"], config)) as running,
+    ):
+        url = f"{running.url}/v1/graphs/napping"
+        assert httpx.post(url, json={"inputs": {"s": 0.2}}).status_code == 200
+        missed = httpx.post(url, json={"inputs": {"s": 0.2}, "timeout": 0.05})
+    assert missed.status_code == 504  # admitted, then dropped at its deadline
+
+
 def test_a_missed_deadline_drops_every_node_and_frees_the_pool(server):
     pool = server.state.runtime.engine.pool
     header = {"X-Request-Deadline": f"{time.time() + 0.3:.3f}"}

@@ -60,6 +60,9 @@ class ServerConfig:
     # refuse at once (429) what the requests in flight would keep waiting longer than
     # this, for graphs without a timeout of their own (trae_groups/admission.py)
     max_queue_wait_s: float = 30.0
+    # refuse at once (503) a request whose graph drops late work when the estimate says
+    # it cannot make its deadline (trae_groups/admission.py); False admits it to miss
+    deadline_admission: bool = True
     # an OpenAI request (queue, prompt, generation) ends with 504 past this; a graph's
     # requests have the graph's timeout
     openai_timeout_s: float = 300.0
@@ -320,7 +323,7 @@ class AppState:
         the estimate) when it drops late work and the estimate says it cannot make it
         (trae_groups/admission.py). The caller releases the ticket on refusal."""
         served = ticket.served
-        if deadline is not None and deadline.drop:
+        if deadline is not None and deadline.drop and self.config.deadline_admission:
             scheduling = (self.config.engine or EngineConfig()).scheduling
             # requests served before this one: due first under deadline order, else all
             ahead = (
