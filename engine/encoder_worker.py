@@ -188,7 +188,8 @@ class EncoderWorker(Worker):
                 return None
             timeout = self.batcher.config.timeout
             return max(
-                Urgency.of(now >= it.queued_at + timeout, it.priority) for it in self.batcher
+                Urgency.of(now >= it.queued_at + timeout, it.priority).for_policy(self.policy)
+                for it in self.batcher
             )
 
     def next_wakeup(self, now: float) -> float | None:
@@ -202,7 +203,8 @@ class EncoderWorker(Worker):
         now = time.monotonic()
         with self._lock:
             late = self.batcher.remove(lambda it: expired(it.priority, time.time()))
-            items = [it for it in self.batcher.take(now, first=_due) if not it.future.done()]
+            first = _due if self.policy == "deadline" else None  # else the oldest
+            items = [it for it in self.batcher.take(now, first=first) if not it.future.done()]
             items, later = _one_shape(items)
             if later:
                 self.batcher.put_back(later)

@@ -201,7 +201,8 @@ class LLMWorker(Worker):
         )
         if not seqs:
             return Urgency(False, -math.inf, 0, -now)
-        return Urgency.of(False, min(seqs, key=lambda s: rank(s.priority)).priority)
+        best = min(seqs, key=lambda s: rank(s.priority, self.scheduler.policy))
+        return Urgency.of(False, best.priority)
 
     def next_wakeup(self, now: float) -> float | None:
         return self._stalled_until if self._stalled_until > now else None

@@ -45,6 +45,7 @@ class EngineLoop:
         with self._wake:
             if worker.name in self._workers:
                 raise ValueError(f"a worker named {worker.name!r} is already on this engine")
+            worker.policy = self.policy
             self._workers[worker.name] = worker
         self.wake()
 

@@ -64,6 +64,7 @@ class Worker(ABC):
     """One model's queue and batch runner, driven by the engine loop."""
 
     name: str
+    policy: str = "deadline"  # the loop's scheduling policy; EngineLoop.add_worker sets it
 
     @abstractmethod
     def urgency(self, now: float) -> Urgency | None:

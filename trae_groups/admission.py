@@ -16,7 +16,6 @@ and it decays (``HALF_LIFE_S``) so it follows a change of load or of models. Unt
 
 from __future__ import annotations
 
-import bisect
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -88,13 +87,15 @@ def overloaded(rate: ServiceRate, inflight: int, limit_s: float) -> int | None:
 # A request whose deadline drops late work (``on_deadline: drop``) is refused at once,
 # 503 with Retry-After and the estimate, when the estimate says it cannot make it:
 #
-#     estimate = max(critical path, (requests due first + 1) / service rate)
+#     estimate = max(critical path, requests in flight (this one too) / service rate)
 #
 # The critical path is the longest chain of the graph's nodes, each at its measured
 # run time (a decayed mean of recent runs): no request answers faster. The second
-# term is Little's law over the requests that will be served before this one: those
-# in flight with an earlier deadline when the engine orders by deadline, else all of
-# them. Until a graph has measured both, only what it has measured counts.
+# term is Little's law over every request in flight, not only those due earlier:
+# deadline order decides who waits for a free slot, but the requests already running
+# share every batch with this one (continuous batching is close to processor
+# sharing), so all of them slow it. Until a graph has measured both, only what it
+# has measured counts.
 
 NODE_TIME_WEIGHT = 0.2  # weight of each new run in a node's decayed mean run time
 
@@ -118,35 +119,13 @@ class NodeTimes:
         return max(finish.values(), default=0.0)
 
 
-class DeadlineBook:
-    """The deadlines (epoch seconds) of the requests in flight, sorted; +inf for none."""
-
-    def __init__(self) -> None:
-        self._due: list[float] = []
-
-    def add(self, at: float) -> None:
-        bisect.insort(self._due, at)
-
-    def remove(self, at: float) -> None:
-        i = bisect.bisect_left(self._due, at)
-        if i < len(self._due) and self._due[i] == at:
-            del self._due[i]
-
-    def __len__(self) -> int:
-        return len(self._due)
-
-    def due_before(self, at: float) -> int:
-        """How many are due no later than ``at``."""
-        return bisect.bisect_right(self._due, at)
-
-
 @dataclass(frozen=True)
 class Refusal:
     """Why a request cannot make its deadline, and when to retry."""
 
     estimate: float  # seconds the request would take
     left: float  # seconds to its deadline
-    ahead: int  # requests served before it
+    inflight: int  # requests in flight, this one included
     path: float  # the graph's critical path, seconds
     retry_after: int
 
@@ -154,16 +133,15 @@ class Refusal:
     def reason(self) -> str:
         return (
             f"estimated {self.estimate:.2f} s (critical path {self.path:.2f} s, "
-            f"{self.ahead} request(s) served first) against {max(self.left, 0.0):.2f} s "
+            f"{self.inflight} request(s) in flight) against {max(self.left, 0.0):.2f} s "
             "left to its deadline"
         )
 
 
-def unreachable(rate: ServiceRate, ahead: int, path: float, left: float) -> Refusal | None:
+def unreachable(rate: ServiceRate, inflight: int, path: float, left: float) -> Refusal | None:
     """A Refusal when the estimate (see above) passes the ``left`` seconds, else None."""
-    per_second = rate.per_second
-    queue = (ahead + 1) / per_second if per_second else 0.0
+    queue = rate.expected_wait(inflight) or 0.0
     estimate = max(path, queue)
     if estimate <= left:
         return None
-    return Refusal(estimate, left, ahead, path, max(1, math.ceil(estimate - max(left, 0.0))))
+    return Refusal(estimate, left, inflight, path, max(1, math.ceil(estimate - max(left, 0.0))))

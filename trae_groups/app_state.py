@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -21,7 +20,7 @@ from typing import Any
 
 import anyio
 
-from trae_groups.admission import DeadlineBook, NodeTimes, ServiceRate, overloaded, unreachable
+from trae_groups.admission import NodeTimes, ServiceRate, overloaded, unreachable
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.deadlines import Deadline
 from trae_groups.graphs.compile import CompiledGraph, compile_graph
@@ -116,7 +115,6 @@ class ServedGraph:
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
     inflight: int = 0
     rate: ServiceRate = field(default_factory=ServiceRate)  # completions per busy second
-    deadlines: DeadlineBook = field(default_factory=DeadlineBook)  # of the requests in flight
     node_times: NodeTimes = field(default_factory=NodeTimes)  # each node's recent run time
     reload_lock: anyio.Lock = field(default_factory=anyio.Lock)
     _users: dict[GraphExecutor, int] = field(default_factory=dict)
@@ -176,17 +174,10 @@ class Ticket:
         self.served = served
         self.executor = served.enter()
         self._released = False
-        self._due: float | None = None  # its deadline, once booked (admit_deadline)
-
-    def book(self, deadline: Deadline | None) -> None:
-        self._due = deadline.at if deadline is not None else math.inf
-        self.served.deadlines.add(self._due)
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            if self._due is not None:
-                self.served.deadlines.remove(self._due)
             self.served.leave(self.executor)
             self._state.released(self.served)
 
@@ -319,25 +310,18 @@ class AppState:
         return Ticket(self, served)
 
     def admit_deadline(self, ticket: Ticket, deadline: Deadline | None) -> None:
-        """Book an admitted request's deadline, or refuse it (503 with Retry-After and
-        the estimate) when it drops late work and the estimate says it cannot make it
+        """Refuse an admitted request (503 with Retry-After and the estimate) when its
+        graph drops late work and the estimate says it cannot make its deadline
         (trae_groups/admission.py). The caller releases the ticket on refusal."""
+        if deadline is None or not deadline.drop or not self.config.deadline_admission:
+            return
         served = ticket.served
-        if deadline is not None and deadline.drop and self.config.deadline_admission:
-            scheduling = (self.config.engine or EngineConfig()).scheduling
-            # requests served before this one: due first under deadline order, else all
-            ahead = (
-                served.deadlines.due_before(deadline.at)
-                if scheduling == "deadline"
-                else len(served.deadlines)
-            )
-            graph = ticket.executor.graph
-            path = served.node_times.critical_path(graph.order, graph.parents)
-            refusal = unreachable(served.rate, ahead, path, deadline.remaining())
-            if refusal is not None:
-                self.metrics.observe_rejected(served.name, "deadline")
-                raise deadline_unreachable(served.name, refusal)
-        ticket.book(deadline)
+        graph = ticket.executor.graph
+        path = served.node_times.critical_path(graph.order, graph.parents)
+        refusal = unreachable(served.rate, served.inflight, path, deadline.remaining())
+        if refusal is not None:
+            self.metrics.observe_rejected(served.name, "deadline")
+            raise deadline_unreachable(served.name, refusal)
 
     def released(self, served: ServedGraph) -> None:
         self.inflight -= 1

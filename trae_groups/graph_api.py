@@ -8,7 +8,6 @@ A streamed run sends ``node_started``, ``node_finished``, ``node_skipped`` and
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -22,7 +21,15 @@ from trae_groups.graphs.executor import RunResult
 from trae_groups.graphs.nodes import KINDS
 from trae_groups.graphs.spec import GraphSpec
 from trae_groups.http_errors import bad_request, error_body, status_of
-from trae_groups.http_io import Emit, EventStream, ResultResponse, read_json, sse, until_disconnect
+from trae_groups.http_io import (
+    Emit,
+    EventStream,
+    ResultResponse,
+    header_deadline,
+    read_json,
+    sse,
+    until_disconnect,
+)
 
 
 class RunRequest(BaseModel):
@@ -34,28 +41,6 @@ class RunRequest(BaseModel):
     outputs: list[str] | None = Field(None, description="outputs to compute (default: all)")
     stream: bool = Field(False, description="answer with Server-Sent Events")
     timeout: float | None = Field(None, gt=0, description="seconds; capped by the graph's own")
-
-
-#: An absolute deadline for the request: Unix time in seconds (``1764505800.25``); the
-#: tightest of it, the body's ``timeout`` and the graph's ``timeout`` is the deadline.
-DEADLINE_HEADER = "x-request-deadline"
-
-
-def header_deadline(request: Request) -> float | None:
-    """The ``X-Request-Deadline`` header's epoch seconds (400 naming it when malformed)."""
-    raw = request.headers.get(DEADLINE_HEADER)
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise bad_request(
-            f"X-Request-Deadline: must be Unix time in seconds, e.g. 1764505800.25, not {raw!r}",
-            "X-Request-Deadline",
-        )
-    return value
 
 
 def parse_run_request(body: Any) -> RunRequest:
@@ -224,6 +209,7 @@ def describe(served: ServedGraph) -> dict:
         "name": spec.name,
         "description": spec.description,
         "timeout": spec.timeout,
+        "on_deadline": spec.on_deadline,
         "inputs": input_schema(spec),
         "outputs": output_schema(spec),
         "nodes": nodes,

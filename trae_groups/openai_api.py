@@ -52,12 +52,18 @@ from trae_groups.engine.protocol import (
 )
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.worker import Priority
-from trae_groups.graph_api import header_deadline
 from trae_groups.graphs.errors import GraphError, first_error
 from trae_groups.graphs.spec import GenerateNode, GraphSpec
 from trae_groups.graphs.types import sampling_field
 from trae_groups.http_errors import HTTPError, bad_request, error_body, not_found, status_of
-from trae_groups.http_io import Emit, EventStream, read_json, sse, until_disconnect
+from trae_groups.http_io import (
+    Emit,
+    EventStream,
+    header_deadline,
+    read_json,
+    sse,
+    until_disconnect,
+)
 from trae_groups.openai_structured import (
     Structured,
     ToolFields,
