@@ -3,7 +3,9 @@
 Pure logic with explicit clocks (no threads, no torch), in the spirit of Triton's
 dynamic batcher: a batch runs as soon as ``preferred_batch_size`` items wait, or
 when the oldest item has waited ``timeout_ms`` (its queue-delay budget). A batch
-holds at most ``max_batch_size`` items, always includes the oldest, and is filled
+holds at most ``max_batch_size`` items, always includes the oldest (or, given a
+``first`` key, the item with the smallest key: the encoder worker's earliest
+deadline, the oldest among equals), and is filled
 with items of similar length (length bucketing) so padding stays small: an item is
 left for a later batch when taking it would make the padded token count exceed
 ``max_padding_ratio`` times the real one.
@@ -87,20 +89,30 @@ class DynamicBatcher(Generic[T]):
         return None if first is None else first.queued_at + self.config.timeout
 
     # -- which -----------------------------------------------------------------------
-    def take(self, now: float, max_items: int | None = None) -> list[T]:
-        """Remove and return the next batch (oldest first); empty when idle."""
+    def take(
+        self,
+        now: float,
+        max_items: int | None = None,
+        first: Callable[[T], float] | None = None,
+    ) -> list[T]:
+        """Remove and return the next batch (queue order); empty when idle. The batch
+        is built around the oldest item, or the one with the smallest ``first(item)``."""
         limit = min(self.config.max_batch_size, max_items or self.config.max_batch_size)
         if not self._items or limit < 1:
             return []
-        keys = self._pick(limit)
+
+        def urgency(k: int) -> tuple[float, int]:  # smaller first; keys grow with queue order
+            return (first(self._items[k]) if first is not None else 0.0, k)
+
+        keys = self._pick(limit, urgency)
         return [self._items.pop(k) for k in sorted(keys)]
 
-    def _pick(self, limit: int) -> list[int]:
-        """Grow a window over items sorted by length, from the oldest item, one
+    def _pick(self, limit: int, urgency: Callable[[int], tuple[float, int]]) -> list[int]:
+        """Grow a window over items sorted by length, from the anchor item, one
         neighbour at a time (the one that adds fewer padded tokens), while padding
         stays within the ratio."""
         order = sorted(self._items, key=lambda k: (self._items[k].length, k))
-        at = order.index(next(iter(self._items)))
+        at = order.index(min(self._items, key=urgency))
         lo, hi = at, at + 1  # window [lo, hi)
         real = _len(self._items[order[at]])
         longest = real
@@ -122,16 +134,18 @@ class DynamicBatcher(Generic[T]):
             _, lo, hi, n = best
             real += n
             longest = max(longest, n)
-        return self._oldest_at_edges(order, lo, hi)
+        return self._most_urgent_at_edges(order, lo, hi, urgency)
 
-    def _oldest_at_edges(self, order: list[int], lo: int, hi: int) -> list[int]:
-        """Same window of lengths, but items tied at its edge lengths are taken
-        oldest first (keys grow with queue order)."""
+    def _most_urgent_at_edges(
+        self, order: list[int], lo: int, hi: int, urgency: Callable[[int], tuple[float, int]]
+    ) -> list[int]:
+        """Same window of lengths, but items tied at its edge lengths are taken most
+        urgent first (without a ``first`` key: oldest first)."""
         short, long_ = _len(self._items[order[lo]]), _len(self._items[order[hi - 1]])
         picked = [k for k in order[lo:hi] if short < _len(self._items[k]) < long_]
         for edge in sorted({short, long_}):
             count = sum(1 for k in order[lo:hi] if _len(self._items[k]) == edge)
-            same = sorted(k for k in self._items if _len(self._items[k]) == edge)
+            same = sorted((k for k in self._items if _len(self._items[k]) == edge), key=urgency)
             picked += same[:count]
         return picked
 

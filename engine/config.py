@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from trae_groups.engine.deadlines import POLICIES
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -33,7 +35,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     fast_linear: bool = True  # oneDNN pre-packed linears on CPU, when available
     attention_backend: str | None = None  # None: best available
-    scheduling: str = "graph"  # "graph": deeper, then older work first; "fifo": older first
+    # waiting work's order (engine/deadlines.py): "deadline": earliest deadline, then deeper,
+    # then older first; "graph": deeper, then older; "fifo": older first
+    scheduling: str = "deadline"
     num_threads: int | None = None
     # torch.compile decode-only steps (CPU), the batch padded up to one of these sizes; each is
     # compiled when the model is added (seconds each); other steps run eagerly
@@ -53,8 +57,8 @@ class EngineConfig:
         for name in ("long_prefill_token_threshold", "max_prompt_tokens", "max_tokens_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 (or None)")
-        if self.scheduling not in ("graph", "fifo"):
-            raise ValueError(f"scheduling: must be 'graph' or 'fifo', got {self.scheduling!r}")
+        if self.scheduling not in POLICIES:
+            raise ValueError(f"scheduling: must be one of {POLICIES}, got {self.scheduling!r}")
         if not self.compile_batch_sizes or min(self.compile_batch_sizes) < 1:
             raise ValueError("compile_batch_sizes: must be a non-empty list of sizes >= 1")
         if self.page_bytes is not None and (self.page_bytes < 64 or self.page_bytes % 64):

@@ -25,8 +25,14 @@ from typing import Any
 import torch
 
 from trae_groups.engine.batcher import BatcherConfig, DynamicBatcher
+from trae_groups.engine.deadlines import due, expired
 from trae_groups.engine.encoder_runner import PAIR_TASKS, Encoded, EncoderRunner, Text, check_text
-from trae_groups.engine.errors import EngineStopped, RequestAborted, RequestError
+from trae_groups.engine.errors import (
+    DeadlineExceeded,
+    EngineStopped,
+    RequestAborted,
+    RequestError,
+)
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.protocol import EncodeOptions, ModelStats, Window
 from trae_groups.engine.weights import LoadedModel
@@ -83,6 +89,7 @@ class EncoderWorker(Worker):
         self.real_tokens = 0
         self.pool_shrinks = 0
         self.peak_pages = 0
+        self.deadline_drops = 0  # items failed unrun because their deadline passed
         # seconds each item waited from submit to its batch's start (recent window;
         # num_started counts them all, so a reader can tell which ones are new)
         self.queue_waits: deque[float] = deque(maxlen=4096)
@@ -154,6 +161,7 @@ class EncoderWorker(Worker):
             "padding_ratio": self.padded_tokens / self.real_tokens if self.real_tokens else 0.0,
             "pool_shrinks": self.pool_shrinks,
             "peak_pages": self.peak_pages,
+            "deadline_drops": self.deadline_drops,
         }
 
     def model_stats(self) -> ModelStats:
@@ -161,7 +169,8 @@ class EncoderWorker(Worker):
         s = self.stats()
         with self._lock:
             running = len(self._inflight)
-        counters = {k: float(s[k]) for k in ("batches", "items", "padding_ratio", "pool_shrinks")}
+        keys = ("batches", "items", "padding_ratio", "pool_shrinks", "deadline_drops")
+        counters = {k: float(s[k]) for k in keys}
         return ModelStats(
             self.name,
             "encoder",
@@ -179,7 +188,7 @@ class EncoderWorker(Worker):
                 return None
             timeout = self.batcher.config.timeout
             return max(
-                Urgency(now >= it.queued_at + timeout, it.priority.depth, -it.priority.arrival)
+                Urgency.of(now >= it.queued_at + timeout, it.priority).for_policy(self.policy)
                 for it in self.batcher
             )
 
@@ -193,11 +202,16 @@ class EncoderWorker(Worker):
     def step(self) -> None:
         now = time.monotonic()
         with self._lock:
-            items = [it for it in self.batcher.take(now) if not it.future.done()]
+            late = self.batcher.remove(lambda it: expired(it.priority, time.time()))
+            first = _due if self.policy == "deadline" else None  # else the oldest
+            items = [it for it in self.batcher.take(now, first=first) if not it.future.done()]
             items, later = _one_shape(items)
             if later:
                 self.batcher.put_back(later)
             self._inflight = items  # abort() sees them from here on
+        self.deadline_drops += len(late)
+        for item in late:
+            _fail(item, DeadlineExceeded(f"request {item.request_id!r} passed its deadline"))
         if not items:
             return
         pages: list[int] = []
@@ -320,6 +334,11 @@ class EncoderWorker(Worker):
         self.batch_sizes[len(items)] += 1
         self.padded_tokens += batch * seq
         self.real_tokens += int(encoded.inputs["attention_mask"].sum())
+
+
+def _due(item: EncoderItem) -> float:
+    """A batch is built around the item due first (the oldest among equals)."""
+    return due(item.priority)
 
 
 def _one_shape(items: list[EncoderItem]) -> tuple[list[EncoderItem], list[EncoderItem]]:

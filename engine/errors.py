@@ -33,5 +33,9 @@ class RequestAborted(Exception):
     """The request was aborted (client gone, timeout, cancel) before it finished."""
 
 
+class DeadlineExceeded(Exception):
+    """The request's deadline passed (``on_deadline: drop``): its work was dropped."""
+
+
 class EngineStopped(EngineError):
     """The engine loop is not running (never started, or shut down)."""

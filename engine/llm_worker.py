@@ -7,6 +7,7 @@ model, sample, then update every sequence and send its output.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -17,6 +18,7 @@ import torch
 from trae_groups.engine import chat
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.constraints import Grammars, fill_masks
+from trae_groups.engine.deadlines import rank
 from trae_groups.engine.detokenizer import find_stop, update_text
 from trae_groups.engine.errors import EngineStopped, RequestError
 from trae_groups.engine.llm_runner import LLMRunner, kv_layout
@@ -92,6 +94,7 @@ class LLMWorker(Worker):
         self._grammars: Grammars | None = None
         # counters (metrics read them; derived rates live in the metrics layer)
         self.num_steps = 0
+        self.num_deadline_drops = 0  # sequences ended because their deadline passed
         self.num_generated = 0
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0  # of those, served by the prefix cache
@@ -198,9 +201,9 @@ class LLMWorker(Worker):
             + self.scheduler.waiting[:1]
         )
         if not seqs:
-            return Urgency(False, 0, -now)
-        best = max(seqs, key=lambda s: (s.priority.depth, -s.priority.arrival))
-        return Urgency(False, best.priority.depth, -best.priority.arrival)
+            return Urgency(False, -math.inf, 0, -now)
+        best = min(seqs, key=lambda s: rank(s.priority, self.scheduler.policy))
+        return Urgency.of(False, best.priority)
 
     def next_wakeup(self, now: float) -> float | None:
         return self._stalled_until if self._stalled_until > now else None
@@ -208,6 +211,7 @@ class LLMWorker(Worker):
     # -- one step --------------------------------------------------------------------
     def step(self) -> None:
         self._take_new_and_aborts()
+        self._drop_expired()
         sched = self.scheduler.schedule()
         if not sched:
             if self.scheduler.waiting:  # pages are held elsewhere; look again soon
@@ -254,6 +258,13 @@ class LLMWorker(Worker):
             if seq is not None and not seq.finished:
                 self.scheduler.finish(seq, "abort")
                 self._emit(seq)
+
+    def _drop_expired(self) -> None:
+        """Work past its deadline (``drop``) ends now as ``deadline``, pages freed."""
+        for seq in self.scheduler.expired(time.time()):
+            self.scheduler.finish(seq, "deadline")
+            self.num_deadline_drops += 1
+            self._emit(seq)
 
     def grammars(self) -> Grammars:
         """This model's constraint matchers (made at the first constrained request)."""
@@ -372,7 +383,7 @@ class LLMWorker(Worker):
         """The typed form of ``stats()`` that the layers above read."""
         s = self.stats()
         keys = ("steps", "generated_tokens", "prompt_tokens", "cached_tokens", "preemptions",
-                "fragmentation")  # fmt: skip
+                "fragmentation", "deadline_drops")  # fmt: skip
         return ModelStats(
             self.name,
             "llm",
@@ -400,6 +411,7 @@ class LLMWorker(Worker):
             "prompt_tokens": self.num_prompt_tokens,
             "cached_tokens": self.num_cached_tokens,
             "preemptions": sched.num_preemptions,
+            "deadline_drops": self.num_deadline_drops,
             "tokens_per_page": self.kv.tokens_per_page,
             "kv_slots_allocated": slots,
             "kv_slots_used": used,

@@ -1,10 +1,12 @@
 """One engine thread steps every worker (LLMs and encoders) in turn.
 
 Policy: among workers with runnable work, step the one whose most urgent item is
-(1) overdue — waited past its worker's queue-delay budget, then (2) deepest in its
-request's DAG, then (3) oldest. Encoders gather a batch until it is full or their
+(1) overdue — waited past its worker's queue-delay budget, then (2) due first (its
+request's deadline; ``policy="deadline"``, the default), then (3) deepest in its
+request's DAG, then (4) oldest. Encoders gather a batch until it is full or their
 delay budget runs out, so a busy LLM delays an encoder batch by at most one step
-past that budget. With ``policy="fifo"`` depth is ignored: overdue, then oldest.
+past that budget. ``policy="graph"`` ignores deadlines; ``policy="fifo"`` ignores
+deadlines and depth: overdue, then oldest (engine/deadlines.py).
 torch releases the GIL inside kernels, so asyncio keeps serving
 HTTP while this thread computes.
 """
@@ -19,13 +21,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from trae_groups.engine.worker import Urgency, Worker
+from trae_groups.engine.worker import Worker
 
 log = logging.getLogger("trae_groups.engine")
 
 
 class EngineLoop:
-    def __init__(self, name: str = "trae-engine", policy: str = "graph"):
+    def __init__(self, name: str = "trae-engine", policy: str = "deadline"):
         self.policy = policy
         self._workers: dict[str, Worker] = {}
         self._wake = threading.Condition()
@@ -43,6 +45,7 @@ class EngineLoop:
         with self._wake:
             if worker.name in self._workers:
                 raise ValueError(f"a worker named {worker.name!r} is already on this engine")
+            worker.policy = self.policy
             self._workers[worker.name] = worker
         self.wake()
 
@@ -113,8 +116,8 @@ class EngineLoop:
         best, best_key = None, None
         for worker in list(self._workers.values()):
             key = worker.urgency(now)
-            if key is not None and self.policy == "fifo":
-                key = Urgency(key.overdue, 0, key.neg_arrival)
+            if key is not None:
+                key = key.for_policy(self.policy)
             if key is not None and (best_key is None or key > best_key):
                 best, best_key = worker, key
         return best

@@ -89,7 +89,8 @@ class GenerationChunk:
     text: str
     token_ids: tuple[int, ...]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "prefix"
+    #: "stop" | "length" | "abort" | "deadline" | "error" | "prefix" (a prefix_only request)
+    finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

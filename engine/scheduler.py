@@ -2,8 +2,8 @@
 
 Every step: running sequences first (oldest admission first; budget is kept for
 every running decode, so decodes never stall behind a long prompt), then waiting ones
-by priority (deeper in their DAG, then older) while the token budget and
-``max_num_seqs`` allow. Long prompts are split across steps (chunked prefill); while
+by rank (engine/deadlines.py: earliest deadline, then deeper in their DAG, then
+older) while the token budget and ``max_num_seqs`` allow. Long prompts are split across steps (chunked prefill); while
 others wait, a prompt chunk takes at most ``long_prefill_tokens`` so that the waiting
 ones are admitted in the same step, and whatever budget admission leaves goes back to
 those capped chunks. Out of pages, the most recently admitted sequence is preempted:
@@ -17,6 +17,7 @@ import bisect
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from trae_groups.engine.deadlines import expired, rank
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.sequence import Sequence, Status
 
@@ -57,7 +58,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         cache_key: Hashable | None,
-        policy: str = "graph",
+        policy: str = "deadline",
         zero_pages: bool = True,
         long_prefill_tokens: int | None = None,  # None: a chunk may take the whole budget
     ):
@@ -77,8 +78,7 @@ class Scheduler:
 
     # -- queues ----------------------------------------------------------------
     def _rank(self, seq: Sequence) -> tuple:
-        depth = -seq.priority.depth if self.policy == "graph" else 0
-        return (depth, seq.priority.arrival, seq.arrival)
+        return (*rank(seq.priority, self.policy), seq.arrival)
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -227,6 +227,11 @@ class Scheduler:
         seq.preemptions += 1
         self.num_preemptions += 1
         self.add(seq)
+
+    def expired(self, now: float) -> list[Sequence]:
+        """Sequences (running or waiting) whose deadline passed with ``drop`` set;
+        ``now`` is wall-clock time. The caller finishes them."""
+        return [s for s in self.running + self.waiting if expired(s.priority, now)]
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finished or aborted: free its pages wherever it is."""

@@ -32,7 +32,7 @@ class RequestOutput:
     delta_text: str
     delta_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "deadline" | "error"
     logprobs: list[float] | None = None
     top_logprobs: list[dict[int, float]] | None = None
     num_cached_tokens: int = 0

@@ -12,6 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from trae_groups.engine.deadlines import Deadline, due
+
 if TYPE_CHECKING:
     from trae_groups.engine.protocol import ModelStats
 
@@ -23,10 +25,13 @@ class Priority:
     depth: the node's depth in its request's DAG (0 = a root node). Deeper work is
     closer to a response, so it goes first.
     arrival: when the item's *request* arrived (monotonic seconds): older goes first.
+    deadline: the request's deadline (wall clock) and whether to drop work past it;
+    how it combines with depth and arrival is ``engine/deadlines.py``'s ``rank``.
     """
 
     depth: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    deadline: Deadline | None = None
 
 
 @dataclass(frozen=True, order=True)
@@ -34,18 +39,32 @@ class Urgency:
     """How urgent a worker's pending work is; the loop steps the largest.
 
     overdue: some item waited past its queue-delay budget.
-    depth, neg_arrival: of the most urgent item (deeper, then older, first).
+    neg_due, depth, neg_arrival: of the most urgent item (earlier deadline, then deeper,
+    then older, first; ``neg_due`` is -inf without a deadline). The loop zeroes what
+    its policy ignores (``for_policy``).
     """
 
     overdue: bool
+    neg_due: float
     depth: int
     neg_arrival: float
+
+    @classmethod
+    def of(cls, overdue: bool, priority: Priority) -> Urgency:
+        return cls(overdue, -due(priority), priority.depth, -priority.arrival)
+
+    def for_policy(self, policy: str) -> Urgency:
+        """The key as ``policy`` sees it (engine/deadlines.py names the policies)."""
+        if policy == "deadline":
+            return self
+        return Urgency(self.overdue, 0.0, self.depth if policy == "graph" else 0, self.neg_arrival)
 
 
 class Worker(ABC):
     """One model's queue and batch runner, driven by the engine loop."""
 
     name: str
+    policy: str = "deadline"  # the loop's scheduling policy; EngineLoop.add_worker sets it
 
     @abstractmethod
     def urgency(self, now: float) -> Urgency | None:

@@ -108,9 +108,12 @@ class NodeError(GraphError):
 class GraphTimeout(GraphError, TimeoutError):
     """A node's (``node`` set) or the whole graph's (``node`` None) time ran out."""
 
-    def __init__(self, node: str | None, timeout: float | None = None):
+    def __init__(
+        self, node: str | None, timeout: float | None = None, dropped: tuple[str, ...] = ()
+    ):
         self.node = node
         self.timeout = timeout
+        self.dropped = dropped  # the graph's: nodes unfinished when its time ran out
         what = f"node '{node}'" if node else "graph"
         after = f" after {timeout:g}s" if timeout is not None else ""
         super().__init__(f"{what} timed out{after}")

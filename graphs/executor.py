@@ -29,6 +29,8 @@ from typing import Any
 import anyio
 from pydantic import ValidationError
 
+from trae_groups.engine.deadlines import Deadline, tightest
+from trae_groups.engine.errors import DeadlineExceeded
 from trae_groups.engine.protocol import ModelClient, new_request_id
 from trae_groups.engine.worker import Priority
 from trae_groups.graphs.compile import CompiledGraph
@@ -102,13 +104,23 @@ EventSink = Callable[[Event], None]
 @dataclass(frozen=True)
 class Prepared:
     """A request checked once: validated inputs, the outputs asked (None: all), its
-    id and time limit. ``run`` trusts it."""
+    id, time limit and deadline (the tightest of the limit and an absolute one; every
+    node's engine work carries it). ``run`` trusts it."""
 
     inputs: dict[str, Any]
     outputs: tuple[str, ...] | None
     request_id: str
     timeout: float | None
     session: str | None = None  # keeps a user's requests on one engine replica
+    deadline: Deadline | None = None
+
+    @property
+    def limit(self) -> float | None:
+        """Seconds the run may take from now: the deadline's, when its policy drops;
+        None (no limit) when it finishes late (``on_deadline: finish``)."""
+        if self.deadline is None:
+            return self.timeout
+        return max(0.0, self.deadline.remaining()) if self.deadline.drop else None
 
 
 class _Request:
@@ -195,8 +207,10 @@ class GraphExecutor:
         timeout: float | None = None,
         request_id: str | None = None,
         session: str | None = None,
+        deadline: float | None = None,
     ) -> Prepared:
-        """Check a request (InputError names the field) and mint its id."""
+        """Check a request (InputError names the field) and mint its id. ``deadline``
+        (epoch seconds, e.g. a header's) tightens the time limit."""
         spec = self.graph.spec
         unknown = [o for o in outputs or [] if o not in spec.outputs]
         if unknown:
@@ -217,6 +231,7 @@ class GraphExecutor:
             request_id or new_request_id(spec.name),
             limit,
             session,
+            tightest(limit, deadline, drop=spec.on_deadline == "drop"),
         )
 
     # -- the request path ------------------------------------------------------------
@@ -229,15 +244,16 @@ class GraphExecutor:
         state = _Request(self, prepared, on_event)
         start = time.perf_counter()
         try:
-            with anyio.fail_after(prepared.timeout):
+            with anyio.fail_after(prepared.limit):
                 async with anyio.create_task_group() as group:
                     state.scope = group.cancel_scope
                     for name in state.records:
                         group.start_soon(self._run_node, state, name)
         except TimeoutError:
-            raise GraphTimeout(None, prepared.timeout) from None
+            raise _timed_out(state) from None
         except BaseExceptionGroup as group_error:
-            raise _first_graph_error(group_error) from None
+            error = _first_graph_error(group_error)
+            raise (_timed_out(state) if isinstance(error, DeadlineExceeded) else error) from None
         result = RunResult(
             prepared.request_id,
             self.graph.outputs(state.context, prepared.outputs, partial=state.cut is not None),
@@ -283,6 +299,8 @@ class GraphExecutor:
             record.status = "ok"
             if isinstance(node, GenerateNode):
                 record.usage = {k: value[k] for k in ("tokens", "prompt_tokens", "finish_reason")}
+        except DeadlineExceeded:  # the engine dropped the work: the request's miss, not on_error's
+            raise
         except Exception as exc:
             self._handle_failure(request, name, exc)
         finally:
@@ -343,7 +361,7 @@ class GraphExecutor:
             node=node,
             payload=payload,
             request_id=request.request_id,
-            priority=Priority(self.graph.depth[name], request.arrival),
+            priority=Priority(self.graph.depth[name], request.arrival, request.prepared.deadline),
             session=request.prepared.session,
             client=request.clients[model] if model is not None else None,
             function=self.functions.get(name),
@@ -438,6 +456,12 @@ class GraphExecutor:
                     yield event
             finally:
                 group.cancel_scope.cancel()
+
+
+def _timed_out(request: _Request) -> GraphTimeout:
+    """The graph's time ran out (its deadline passed): the nodes it had not finished."""
+    dropped = tuple(n for n, r in request.records.items() if r.status == "cancelled")
+    return GraphTimeout(None, request.prepared.timeout, dropped)
 
 
 def error_body(exc: BaseException) -> dict:

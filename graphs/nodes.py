@@ -24,7 +24,7 @@ import anyio
 from pydantic import Discriminator, Field, JsonValue, PrivateAttr, Tag, model_validator
 
 from trae_groups.engine.constraints import Constraint
-from trae_groups.engine.errors import RequestError
+from trae_groups.engine.errors import DeadlineExceeded, RequestError
 from trae_groups.engine.protocol import (
     EncodeOptions,
     EncodeRequest,
@@ -428,6 +428,8 @@ async def _generate(call: NodeCall) -> dict:
         raise RuntimeError(last.error if last else "no output")
     if last.finish_reason == "abort":
         raise RuntimeError("generation was aborted")
+    if last.finish_reason == "deadline":
+        raise DeadlineExceeded(f"node '{call.name}': the request's deadline passed")
     result = {
         "text": "".join(pieces),
         "tokens": last.completion_tokens,

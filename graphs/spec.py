@@ -222,6 +222,11 @@ class GraphSpec(Spec):
     name: Slug
     description: str | None = None
     timeout: Seconds | None = None
+    # past a request's deadline (the tightest of this timeout, the request's and its
+    # X-Request-Deadline): "drop" ends it (504) and frees its work at once, and refuses
+    # at admission what cannot make it (503); "finish" answers late. Default "drop": a
+    # timeout has always ended a request at it, so a late answer is one nobody waits for.
+    on_deadline: Literal["drop", "finish"] = "drop"
     sharing: SharingPolicy = SharingPolicy()
     models: dict[Slug, ModelSpec] = {}
     inputs: dict[InputName, InputSpec] = {}

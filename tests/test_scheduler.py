@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from trae_groups.engine.loop import EngineLoop
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.sampling import SamplingParams
@@ -130,18 +132,28 @@ class Fixed(Worker):
         pass
 
 
-def test_loop_steps_overdue_then_deeper_then_older():
+NONE = -math.inf  # Urgency.neg_due of work without a deadline
+
+
+def test_loop_steps_overdue_then_due_then_deeper_then_older():
     loop = EngineLoop()
-    shallow_old = Fixed("shallow_old", Urgency(False, 0, -1.0))
-    deep_new = Fixed("deep_new", Urgency(False, 2, -5.0))
+    shallow_old = Fixed("shallow_old", Urgency(False, NONE, 0, -1.0))
+    deep_new = Fixed("deep_new", Urgency(False, NONE, 2, -5.0))
     idle = Fixed("idle", None)
     for w in (shallow_old, deep_new, idle):
         loop.add_worker(w)
     assert loop.pick(0.0) is deep_new
-    overdue = Fixed("overdue", Urgency(True, 0, -9.0))
+    due_soon = Fixed("due_soon", Urgency(False, -100.0, 0, -7.0))
+    loop.add_worker(due_soon)
+    assert loop.pick(0.0) is due_soon  # a deadline beats depth and age
+    overdue = Fixed("overdue", Urgency(True, NONE, 0, -9.0))
     loop.add_worker(overdue)
     assert loop.pick(0.0) is overdue
+    graph = EngineLoop(policy="graph")  # deadlines ignored
+    for w in (shallow_old, deep_new, due_soon):
+        graph.add_worker(w)
+    assert graph.pick(0.0) is deep_new
     fifo = EngineLoop(policy="fifo")
-    for w in (shallow_old, deep_new):
+    for w in (shallow_old, deep_new, due_soon):
         fifo.add_worker(w)
     assert fifo.pick(0.0) is shallow_old

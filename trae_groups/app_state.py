@@ -20,13 +20,15 @@ from typing import Any
 
 import anyio
 
-from trae_groups.admission import ServiceRate, overloaded
+from trae_groups.admission import NodeTimes, ServiceRate, overloaded, unreachable
 from trae_groups.engine.config import EngineConfig
+from trae_groups.engine.deadlines import Deadline
 from trae_groups.graphs.compile import CompiledGraph, compile_graph
-from trae_groups.graphs.errors import NodeError
+from trae_groups.graphs.errors import GraphTimeout, NodeError
 from trae_groups.graphs.executor import GraphExecutor, RunResult
 from trae_groups.graphs.spec import GraphSpec, PythonNode
 from trae_groups.http_errors import (
+    deadline_unreachable,
     error_body,
     not_found,
     overloaded_error,
@@ -57,6 +59,9 @@ class ServerConfig:
     # refuse at once (429) what the requests in flight would keep waiting longer than
     # this, for graphs without a timeout of their own (trae_groups/admission.py)
     max_queue_wait_s: float = 30.0
+    # refuse at once (503) a request whose graph drops late work when the estimate says
+    # it cannot make its deadline (trae_groups/admission.py); False admits it to miss
+    deadline_admission: bool = True
     # an OpenAI request (queue, prompt, generation) ends with 504 past this; a graph's
     # requests have the graph's timeout
     openai_timeout_s: float = 300.0
@@ -110,6 +115,7 @@ class ServedGraph:
     nodes: dict[str, NodeInfo] = field(default_factory=dict)
     inflight: int = 0
     rate: ServiceRate = field(default_factory=ServiceRate)  # completions per busy second
+    node_times: NodeTimes = field(default_factory=NodeTimes)  # each node's recent run time
     reload_lock: anyio.Lock = field(default_factory=anyio.Lock)
     _users: dict[GraphExecutor, int] = field(default_factory=dict)
     _retired: dict[GraphExecutor, Callable[[GraphExecutor], None]] = field(default_factory=dict)
@@ -306,6 +312,20 @@ class AppState:
         self.metrics.inflight.labels(served.name).inc()
         return Ticket(self, served)
 
+    def admit_deadline(self, ticket: Ticket, deadline: Deadline | None) -> None:
+        """Refuse an admitted request (503 with Retry-After and the estimate) when its
+        graph drops late work and the estimate says it cannot make its deadline
+        (trae_groups/admission.py). The caller releases the ticket on refusal."""
+        if deadline is None or not deadline.drop or not self.config.deadline_admission:
+            return
+        served = ticket.served
+        graph = ticket.executor.graph
+        path = served.node_times.critical_path(graph.order, graph.parents)
+        refusal = unreachable(served.rate, served.inflight, path, deadline.remaining())
+        if refusal is not None:
+            self.metrics.observe_rejected(served.name, "deadline")
+            raise deadline_unreachable(served.name, refusal)
+
     def released(self, served: ServedGraph) -> None:
         self.inflight -= 1
         self.metrics.inflight.labels(served.name).dec()
@@ -329,20 +349,45 @@ class AppState:
 
     # -- bookkeeping of one run --------------------------------------------------------
     def record(
-        self, served: ServedGraph, start: float, result: RunResult | None, error=None
+        self,
+        served: ServedGraph,
+        start: float,
+        result: RunResult | None,
+        error=None,
+        deadline: Deadline | None = None,
     ) -> None:
+        """One run's outcome in metrics; ``deadline`` (the request's) for misses and goodput."""
         name = served.name
         if error is not None:
             self.metrics.observe_request(name, status_of(error))
             self.metrics.observe_error(name, error_body(error)["error"]["type"])
             if isinstance(error, NodeError):
                 self.metrics.node_errors.labels(name, error.node).inc()
+            if deadline is not None and isinstance(error, GraphTimeout) and error.node is None:
+                self.metrics.observe_deadline_miss(name, "dropped", error.dropped)
         elif result is None:
             self.metrics.observe_request(name, CLIENT_GONE)
         else:
             served.rate.completed_one()
+            for node, record in result.nodes.items():
+                if record.status == "ok" and record.ms is not None:
+                    served.node_times.observe(node, record.ms / 1000.0)
             self.metrics.observe_request(name, 200, time.perf_counter() - start)
             self.metrics.observe_nodes(name, result.nodes, start, node_versions(served, result))
+            self._observe_in_time(name, result, deadline)
+
+    def _observe_in_time(self, name: str, result: RunResult, deadline: Deadline | None) -> None:
+        """An answer is goodput when it came within its deadline (always, without one);
+        a late one (``on_deadline: finish``) is a miss, as are its nodes that ended late."""
+        if deadline is None or not deadline.passed():
+            self.metrics.goodput.labels(name).inc()
+            return
+        # the deadline on the run's perf_counter clock, to compare with node records
+        due = time.perf_counter() + deadline.remaining()
+        late = tuple(
+            n for n, r in result.nodes.items() if r.finished is not None and r.finished > due
+        )
+        self.metrics.observe_deadline_miss(name, "late", late)
 
 
 def node_versions(served: ServedGraph, result: RunResult) -> dict[str, str]:

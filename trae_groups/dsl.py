@@ -70,13 +70,21 @@ def path_of(ref: Ref) -> str:
 class ModelGroup:
     """Declares a graph in Python; `spec()` validates it exactly as YAML is validated."""
 
-    def __init__(self, name: str, *, description: str | None = None, timeout: Any = None):
+    def __init__(
+        self,
+        name: str,
+        *,
+        description: str | None = None,
+        timeout: Any = None,
+        on_deadline: str | None = None,
+    ):
         self._file, line = _caller()
         self._source = SourceMap(self._file, {(): Location(line)}, _folder(self._file))
         self._issues: list[ValidationIssue] = []
         self._data: dict[str, Any] = _clean(
-            {"name": name, "description": description, "timeout": timeout}
-        )
+            {"name": name, "description": description, "timeout": timeout,
+             "on_deadline": on_deadline}
+        )  # fmt: skip
         for section in ("models", "inputs", "nodes", "outputs"):
             self._data[section] = {}
             self._source.locations[(section,)] = Location(line)

@@ -21,7 +21,15 @@ from trae_groups.graphs.executor import RunResult
 from trae_groups.graphs.nodes import result_schema
 from trae_groups.graphs.spec import GraphSpec
 from trae_groups.http_errors import bad_request, error_body, status_of
-from trae_groups.http_io import Emit, EventStream, ResultResponse, read_json, sse, until_disconnect
+from trae_groups.http_io import (
+    Emit,
+    EventStream,
+    ResultResponse,
+    header_deadline,
+    read_json,
+    sse,
+    until_disconnect,
+)
 
 
 class RunRequest(BaseModel):
@@ -71,6 +79,7 @@ async def run_graph(request: Request) -> Response:
     state: AppState = request.app.state.trae
     served = state.graph(request.path_params["name"])
     body = parse_run_request(await read_json(request, state.config.max_body_bytes))
+    deadline = header_deadline(request)
     ticket = state.admit(served)
     try:
         prepared = ticket.executor.prepare(
@@ -78,7 +87,9 @@ async def run_graph(request: Request) -> Response:
             outputs=body.outputs,
             timeout=body.timeout,
             session=request.headers.get("x-session-id"),
+            deadline=deadline,
         )
+        state.admit_deadline(ticket, prepared.deadline)
     except Exception as exc:
         ticket.release()
         state.record(served, time.perf_counter(), None, exc)
@@ -93,11 +104,11 @@ async def run_graph(request: Request) -> Response:
             request.receive, lambda: ticket.executor.run(prepared)
         )
     except Exception as exc:
-        state.record(served, start, None, exc)
+        state.record(served, start, None, exc, prepared.deadline)
         raise
     finally:
         ticket.release()
-    state.record(served, start, result)
+    state.record(served, start, result, deadline=prepared.deadline)
     if result is None:
         return Response(status_code=CLIENT_GONE)
     return ResultResponse(result_body(result), headers=headers)
@@ -111,14 +122,14 @@ def _graph_events(state: AppState, served: ServedGraph, executor, prepared):
         try:
             async for event in executor.stream(prepared):
                 if event.type in ("result", "cut"):  # cut: a guard ended the run early
-                    state.record(served, start, event.result)
+                    state.record(served, start, event.result, deadline=prepared.deadline)
                     await emit(sse(event.type, result_body(event.result)))
                 elif event.type == "error":
-                    await _error_event(emit, state, served, start, event.error)
+                    await _error_event(emit, state, served, start, event.error, prepared)
                 else:
                     await emit(sse(event.type, event.data))
         except Exception as exc:
-            await _error_event(emit, state, served, start, exc)
+            await _error_event(emit, state, served, start, exc, prepared)
         except BaseException:
             state.record(served, start, None)  # the client left
             raise
@@ -127,8 +138,10 @@ def _graph_events(state: AppState, served: ServedGraph, executor, prepared):
     return produce
 
 
-async def _error_event(emit: Emit, state: AppState, served, start: float, error) -> None:
-    state.record(served, start, None, error)
+async def _error_event(
+    emit: Emit, state: AppState, served, start: float, error, prepared=None
+) -> None:
+    state.record(served, start, None, error, prepared.deadline if prepared else None)
     await emit(sse("error", {**error_body(error), "status": status_of(error)}))
 
 
@@ -198,6 +211,7 @@ def describe(served: ServedGraph) -> dict:
         "name": spec.name,
         "description": spec.description,
         "timeout": spec.timeout,
+        "on_deadline": spec.on_deadline,
         "inputs": input_schema(spec),
         "outputs": output_schema(spec),
         "nodes": nodes,

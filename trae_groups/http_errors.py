@@ -20,8 +20,11 @@ status themselves.
 | 429 | the graph already has ``max_inflight`` requests (``Retry-After``) |
 | 431 | a request's headers are larger than 64 KiB (http_protocol) |
 | 500 | a node failed (``node``), or a server bug (no details leak) |
-| 503 | models still loading, or the server is shutting down (``Retry-After``) |
-| 504 | the graph's or a node's timeout ran out (``node`` when a node's) |
+| 503 | models still loading, or the server is shutting down (``Retry-After``); a
+        request that cannot make its deadline (``DeadlineUnreachable``: ``reason``,
+        ``Retry-After``) |
+| 504 | the graph's or a node's timeout ran out (``node`` when a node's), or the
+        request's deadline passed and its work was dropped |
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
-from trae_groups.engine.errors import EngineStopped, ModelLoadError, RequestError
+from trae_groups.admission import Refusal
+from trae_groups.engine.errors import DeadlineExceeded, EngineStopped, ModelLoadError, RequestError
 from trae_groups.graphs.errors import GraphError, GraphTimeout, GraphValidationError, NodeError
 from trae_groups.graphs.executor import InputError
 from trae_groups.graphs.routing import RouteError
@@ -112,6 +116,17 @@ def overloaded_error(graph: str, limit_s: float, retry_after: int) -> HTTPError:
     )
 
 
+def deadline_unreachable(graph: str, refusal: Refusal) -> HTTPError:
+    return HTTPError(
+        503,
+        f"graph '{graph}' cannot answer this request within its deadline: {refusal.reason}",
+        type="DeadlineUnreachable",
+        headers={"Retry-After": str(refusal.retry_after)},
+        extra={"reason": refusal.reason, "estimate_s": round(refusal.estimate, 3),
+               "deadline_in_s": round(refusal.left, 3)},
+    )  # fmt: skip
+
+
 def unavailable(message: str, retry_after: int, type: str = "ServiceUnavailable") -> HTTPError:
     return HTTPError(503, message, type=type, headers={"Retry-After": str(retry_after)})
 
@@ -133,7 +148,7 @@ def status_of(exc: BaseException) -> int:
         return 422
     if isinstance(exc, RouteError):
         return 422
-    if isinstance(exc, GraphTimeout):
+    if isinstance(exc, GraphTimeout | DeadlineExceeded):
         return 504
     if isinstance(exc, NodeError):
         if isinstance(exc.cause, RequestError):
@@ -144,6 +159,10 @@ def status_of(exc: BaseException) -> int:
     if isinstance(exc, EngineStopped):
         return 503
     return 500
+
+
+#: Errors whose class name and message are safe to show as they are.
+_NAMED = (GraphError, RequestError, EngineStopped, ModelLoadError, RouteError, DeadlineExceeded)
 
 
 def error_body(exc: BaseException, *, openai: bool = False) -> dict:
@@ -159,7 +178,7 @@ def error_body(exc: BaseException, *, openai: bool = False) -> dict:
     elif isinstance(exc, ClientDisconnect):
         error = {"type": "ClientGone", "message": "the client left before sending its body"}
         field = None
-    elif isinstance(exc, GraphError | RequestError | EngineStopped | ModelLoadError | RouteError):
+    elif isinstance(exc, _NAMED):
         error = {"type": type(exc).__name__, "message": str(exc)}
         field = _field_of(exc)
     else:

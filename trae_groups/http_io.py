@@ -1,5 +1,5 @@
-"""HTTP plumbing the routes share: bounded JSON bodies, cancel-on-disconnect, and
-Server-Sent Events.
+"""HTTP plumbing the routes share: bounded JSON bodies, the deadline header,
+cancel-on-disconnect, and Server-Sent Events.
 
 A request whose client goes away must stop costing anything: ``until_disconnect``
 and ``EventStream`` watch the connection while the work runs and cancel it the
@@ -23,6 +23,28 @@ from starlette.types import Receive, Scope, Send
 from trae_groups.http_errors import HTTPError, bad_request, error_body, is_openai_path, too_large
 
 T = TypeVar("T")
+
+
+#: An absolute deadline for the request: Unix time in seconds (``1764505800.25``); the
+#: tightest of it, the body's ``timeout`` and the graph's ``timeout`` is the deadline.
+DEADLINE_HEADER = "x-request-deadline"
+
+
+def header_deadline(request: Request) -> float | None:
+    """The ``X-Request-Deadline`` header's epoch seconds (400 naming it when malformed)."""
+    raw = request.headers.get(DEADLINE_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise bad_request(
+            f"X-Request-Deadline: must be Unix time in seconds, e.g. 1764505800.25, not {raw!r}",
+            "X-Request-Deadline",
+        )
+    return value
 
 
 async def read_json(request: Request, limit: int) -> Any:

@@ -62,7 +62,8 @@ class Metrics:
         )  # fmt: skip
         self.rejected = Counter(
             "trae_graph_rejected",
-            "Requests turned away before running (queue_full, not_ready, draining)",
+            "Requests turned away before running (queue_full, overloaded, deadline, "
+            "not_ready, draining)",
             [*graph, "reason"],
             registry=r,
         )
@@ -95,6 +96,21 @@ class Metrics:
             "time in the engine's queue is trae_engine_queue_seconds, per model)",
             versioned, buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.deadline_misses = Counter(
+            "trae_graph_deadline_misses",
+            "Requests that missed their deadline: dropped at it (on_deadline: drop) or "
+            "answered late (finish)", [*graph, "action"], registry=r,
+        )  # fmt: skip
+        self.node_deadline_misses = Counter(
+            "trae_node_deadline_misses",
+            "Nodes unfinished at their request's deadline: dropped, or finished late",
+            [*node, "action"], registry=r,
+        )  # fmt: skip
+        self.goodput = Counter(
+            "trae_graph_goodput",
+            "Requests answered within their deadline (every answer, for requests without one)",
+            graph, registry=r,
+        )  # fmt: skip
         self.openai_requests = Counter(
             "trae_openai_requests", "OpenAI-compatible requests, by endpoint, model and status",
             ["endpoint", "model", "code"], registry=r,
@@ -112,6 +128,12 @@ class Metrics:
 
     def observe_rejected(self, graph: str, reason: str) -> None:
         self.rejected.labels(graph, reason).inc()
+
+    def observe_deadline_miss(self, graph: str, action: str, nodes: Iterable[str]) -> None:
+        """One request missed its deadline; ``nodes``: those unfinished at it."""
+        self.deadline_misses.labels(graph, action).inc()
+        for node in nodes:
+            self.node_deadline_misses.labels(graph, node, action).inc()
 
     def observe_nodes(
         self,
@@ -364,6 +386,11 @@ def _llm_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
         ("trae_llm_cached_prompt_tokens", "Prompt tokens the prefix cache served", "cached_tokens"),
         ("trae_llm_preemptions", "Sequences preempted for room", "preemptions"),
         ("trae_llm_steps", "Batches run", "steps"),
+        (
+            "trae_llm_deadline_drops",
+            "Sequences the engine dropped past their deadline",
+            "deadline_drops",
+        ),
     ]
     for name, doc, key in counters:
         family = CounterMetricFamily(name, doc, labels=["model"])
@@ -376,6 +403,10 @@ def _encoder_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
     queue = GaugeMetricFamily("trae_encoder_queue_items", "Items waiting", labels=["model"])
     batches = CounterMetricFamily("trae_encoder_batches", "Batches run", labels=["model"])
     items = CounterMetricFamily("trae_encoder_items", "Items encoded", labels=["model"])
+    drops = CounterMetricFamily(
+        "trae_encoder_deadline_drops", "Items the engine dropped past their deadline",
+        labels=["model"],
+    )  # fmt: skip
     padding = GaugeMetricFamily(
         "trae_encoder_padding_ratio", "Padded tokens per real token", labels=["model"]
     )
@@ -386,10 +417,11 @@ def _encoder_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
         queue.add_metric([model], float(m.waiting))
         batches.add_metric([model], m.counters.get("batches", 0.0))
         items.add_metric([model], m.counters.get("items", 0.0))
+        drops.add_metric([model], m.counters.get("deadline_drops", 0.0))
         padding.add_metric([model], m.counters.get("padding_ratio", 0.0))
         buckets, summed = _histogram_from_sizes(m.batch_sizes)
         sizes.add_metric([model], buckets, summed)
-    yield from (queue, batches, items, padding, sizes)
+    yield from (queue, batches, items, drops, padding, sizes)
 
 
 def _model_of(owner: str) -> str:

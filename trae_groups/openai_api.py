@@ -39,6 +39,8 @@ from starlette.routing import Route
 
 from trae_groups.app_state import CLIENT_GONE, AppState, ServedGraph
 from trae_groups.engine.constraints import Constraint
+from trae_groups.engine.deadlines import tightest
+from trae_groups.engine.errors import DeadlineExceeded
 from trae_groups.engine.protocol import (
     EncodeOptions,
     EncodeRequest,
@@ -49,11 +51,19 @@ from trae_groups.engine.protocol import (
     new_request_id,
 )
 from trae_groups.engine.sampling import SamplingParams
+from trae_groups.engine.worker import Priority
 from trae_groups.graphs.errors import GraphError, first_error
 from trae_groups.graphs.spec import GenerateNode, GraphSpec
 from trae_groups.graphs.types import sampling_field
 from trae_groups.http_errors import HTTPError, bad_request, error_body, not_found, status_of
-from trae_groups.http_io import Emit, EventStream, read_json, sse, until_disconnect
+from trae_groups.http_io import (
+    Emit,
+    EventStream,
+    header_deadline,
+    read_json,
+    sse,
+    until_disconnect,
+)
 from trae_groups.openai_structured import (
     Structured,
     ToolFields,
@@ -110,6 +120,9 @@ class _Sampling(Structured):
     stop: str | list[str] | None = None
     seed: int | None = sampling_field("seed")
     ignore_eos: bool = Field(False, description="extension: keep generating past EOS")
+    timeout: float | None = Field(
+        None, gt=0, description="extension: seconds to the request's deadline (docs/serving.md)"
+    )
     n: int = Field(1, ge=1, le=1, description="only 1 is supported")
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -267,13 +280,16 @@ async def chat_completions(request: Request) -> Response:
             raise HTTPError(422, f"{source}: give tools or {source}, not both", field=source)
         constraint = tool_call_constraint(forced)
     _for_an_llm(target, "chat", constraint is not None or bool(body.tools))
+    due = (body.timeout, header_deadline(request))
     if target.model is None:
-        start = _GraphCall.factory(target, messages, body.user)
+        start = _GraphCall.factory(target, messages, body.user, due)
     else:
         max_tokens = body.max_completion_tokens or body.max_tokens
         params = _params(body, target, max_tokens, constraint)
         tools = body.shown()
-        start = _LLMCall.factory(target, params, messages=messages, user=body.user, tools=tools)
+        start = _LLMCall.factory(
+            target, params, messages=messages, user=body.user, tools=tools, due=due
+        )
     calls = forced or (body.tools if body.tool_choice != "none" else None)
     return await _respond(request, state, target, body, start, chat=True, tools=calls)
 
@@ -292,7 +308,8 @@ async def completions(request: Request) -> Response:
             raise HTTPError(422, "prompt: one prompt per request", field="prompt")
         prompt = prompt[0]
     params = _params(body, target, body.max_tokens, constraint)
-    start = _LLMCall.factory(target, params, prompt=prompt, user=body.user)
+    due = (body.timeout, header_deadline(request))
+    start = _LLMCall.factory(target, params, prompt=prompt, user=body.user, due=due)
     return await _respond(request, state, target, body, start, chat=False)
 
 
@@ -421,16 +438,21 @@ class _LLMCall:
         messages=None,
         user=None,
         tools=None,
+        due: tuple[float | None, float | None] = (None, None),
     ):
-        """Submits when called with the executor the request was admitted on."""
+        """Submits when called with the executor the request was admitted on. ``due``:
+        the body's ``timeout`` and the X-Request-Deadline header's time; the tightest is
+        the request's deadline, dropped or finished as the target's graph says."""
 
         def start(state: AppState, executor: Any) -> _LLMCall:
             client = _version(executor.models[target.model], user)
+            drop = target.served.spec.on_deadline == "drop"
             request = GenerateRequest(
                 new_request_id("cmpl"),
                 params,
                 prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
                 messages=tuple(messages) if messages is not None else None,
+                priority=Priority(deadline=tightest(*due, drop=drop)),
                 session=user,
                 tools=tuple(tools) if tools else None,
             )
@@ -452,6 +474,8 @@ class _LLMCall:
                 raise HTTPError(500, f"generation failed: {chunk.error}", type="GenerationFailed")
             if chunk.finished and chunk.finish_reason == "abort":
                 raise HTTPError(503, "generation was aborted", type="Aborted")
+            if chunk.finished and chunk.finish_reason == "deadline":
+                raise DeadlineExceeded("the request's deadline passed; its generation was dropped")
             await on_piece(
                 _Piece(
                     chunk.text,
@@ -467,7 +491,13 @@ class _GraphCall:
     """A chat graph run: the text output's node streams; the result ends it."""
 
     def __init__(
-        self, state: AppState, target: Target, executor: Any, messages: list[dict], user=None
+        self,
+        state: AppState,
+        target: Target,
+        executor: Any,
+        messages: list[dict],
+        user=None,
+        due: tuple[float | None, float | None] = (None, None),
     ):
         self.state, self.target, self.executor = state, target, executor
         self.prepared = executor.prepare(
@@ -475,12 +505,20 @@ class _GraphCall:
             outputs=[target.output],
             request_id=new_request_id("chatcmpl"),
             session=user,
+            timeout=due[0],
+            deadline=due[1],
         )  # an InputError here is a 422
         self.request_id = self.prepared.request_id
 
     @classmethod
-    def factory(cls, target: Target, messages: list[dict], user: str | None = None):
-        return lambda state, executor: cls(state, target, executor, messages, user)
+    def factory(
+        cls,
+        target: Target,
+        messages: list[dict],
+        user: str | None = None,
+        due: tuple[float | None, float | None] = (None, None),
+    ):
+        return lambda state, executor: cls(state, target, executor, messages, user, due)
 
     async def open(self) -> None:
         pass  # graph errors come as the run's own events
@@ -490,6 +528,7 @@ class _GraphCall:
 
     async def run(self, on_piece: OnPiece) -> None:
         served, node = self.target.served, self.target.node
+        deadline = self.prepared.deadline
         start = time.perf_counter()
         streamed: list[str] = []
         try:
@@ -498,19 +537,19 @@ class _GraphCall:
                     streamed.append(event.data.get("text", ""))
                     await on_piece(_Piece(streamed[-1]))
                 elif event.type == "error":
-                    self.state.record(served, start, None, event.error)
+                    self.state.record(served, start, None, event.error, deadline)
                     raise event.error
                 elif event.type in ("result", "cut"):
                     result = event.result
         except GraphError:
             raise  # recorded above
         except Exception as exc:
-            self.state.record(served, start, None, exc)
+            self.state.record(served, start, None, exc, deadline)
             raise
         except BaseException:
             self.state.record(served, start, None)  # the client left
             raise
-        self.state.record(served, start, result)
+        self.state.record(served, start, result, deadline=deadline)
         text, sent = result.outputs.get(self.target.output) or "", "".join(streamed)
         rest = text[len(sent) :] if text.startswith(sent) else ""
         usage = result.nodes[node].usage
