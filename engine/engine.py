@@ -122,8 +122,9 @@ class LLMEngine:
         if self.config.fast_linear and self.config.device == "cpu":
             from trae_groups.engine.fast_linear import fast_linear_available, pack_linears
 
-            if fast_linear_available():
-                pack_linears(model)
+            if fast_linear_available() and pack_linears(model):
+                # the plain weights packing replaced: not counted, their file pages given back
+                self.store.settle(model)
         config = self.config
         if max_num_seqs is not None:
             config = dataclasses.replace(config, max_num_seqs=max_num_seqs)
