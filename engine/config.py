@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 
+DEFAULT_LOAD_WAIT_S = 60.0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,6 +41,12 @@ class EngineConfig:
     # compiled when the model is added (seconds each); other steps run eagerly
     compile: bool = False
     compile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # bytes of weights held at once: on-demand models are evicted (least recently used,
+    # idle) to stay within it; None: no limit (engine/residency.py)
+    weight_budget: int | None = None
+    # seconds a request waits for its on-demand model to become resident, then 503;
+    # None: DEFAULT_LOAD_WAIT_S
+    load_wait_s: float | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -57,6 +65,10 @@ class EngineConfig:
             raise ValueError(f"scheduling: must be 'graph' or 'fifo', got {self.scheduling!r}")
         if not self.compile_batch_sizes or min(self.compile_batch_sizes) < 1:
             raise ValueError("compile_batch_sizes: must be a non-empty list of sizes >= 1")
+        if self.weight_budget is not None and self.weight_budget <= 0:
+            raise ValueError("weight_budget: must be > 0 (or None)")
+        if self.load_wait_s is not None and self.load_wait_s <= 0:
+            raise ValueError("load_wait_s: must be > 0")
         if self.page_bytes is not None and (self.page_bytes < 64 or self.page_bytes % 64):
             raise ValueError("page_bytes: must be a positive multiple of 64")
 
@@ -68,6 +80,10 @@ class EngineConfig:
         return max(1, self.max_num_batched_tokens // 4)
 
     @property
+    def load_wait(self) -> float:
+        return DEFAULT_LOAD_WAIT_S if self.load_wait_s is None else self.load_wait_s
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
@@ -75,6 +91,21 @@ class EngineConfig:
         if self.pool_bytes is not None:
             return self.pool_bytes
         return int(available_memory(self.device) * self.pool_fraction)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from 8388608, "512MiB", "1.5G", "64kb" (powers of 1024); ValueError else."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"not a size: {text!r} (try 512MiB or 2G)")
+    unit = match.group(2).lower()
+    scale = 1024 ** ("kmgt".index(unit) + 1) if unit else 1
+    return int(float(match.group(1)) * scale)
 
 
 def available_memory(device: str) -> int:

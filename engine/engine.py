@@ -23,7 +23,8 @@ from trae_groups.engine.llm_runner import ATTN_NAME, kv_layout
 from trae_groups.engine.llm_worker import LLMWorker
 from trae_groups.engine.loop import EngineLoop
 from trae_groups.engine.memory_pool import MemoryPool
-from trae_groups.engine.protocol import EngineStats, new_request_id
+from trae_groups.engine.protocol import EngineStats, WeightStats, new_request_id
+from trae_groups.engine.residency import Residency
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.sequence import RequestOutput
 from trae_groups.engine.weights import WeightStore
@@ -79,6 +80,9 @@ class LLMEngine:
         layouts = [kv_layout(read_config(p), self.config.torch_dtype) for p in paths]
         self.pool = self._make_pool(layouts)
         self.llms: dict[str, LLMWorker] = {}
+        self.residency = Residency(
+            self.store.total_bytes, self.config.weight_budget, self.config.load_wait
+        )
         self._request_owner: dict[str, Worker] = {}
         self._lock = threading.Lock()
         for name, path in named.items():
@@ -151,9 +155,11 @@ class LLMEngine:
         return worker
 
     def remove_worker(self, name: str) -> Worker:
-        """Take a model off the engine: its pending requests fail, its pages return."""
+        """Take a model off the engine: its pending requests fail, its pages return
+        (the prefix cache's too: nobody can use them any more)."""
         worker = self.loop.remove_worker(name)
         self.llms.pop(name, None)
+        self.loop.call(lambda: self.pool.clear_cache(owner=name))
         return worker
 
     def add_worker(self, worker: Worker) -> None:
@@ -176,6 +182,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.loop.stop()
+        self.residency.close()
 
     def __enter__(self) -> LLMEngine:
         return self.start()
@@ -293,6 +300,9 @@ class LLMEngine:
             busy_seconds=self.loop.busy_seconds,
             pool=self.pool.stats(),
             models={name: w.model_stats() for name, w in workers.items()},
+            weights={r.name: WeightStats.of(r) for r in self.store.report()},
+            residency=self.residency.stats(),
+            weight_budget=self.config.weight_budget,
         )
 
     def stats(self) -> dict:

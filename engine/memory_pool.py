@@ -214,13 +214,16 @@ class MemoryPool:
         if key is not None:
             del self._key_page[key]
 
-    def clear_cache(self) -> None:
-        """Drop every unreferenced cached page back to the free list."""
-        while self._evictable:
-            page, _ = self._evictable.popitem(last=False)
+    def clear_cache(self, owner: str | None = None) -> int:
+        """Drop unreferenced cached pages (only ``owner``'s, if given: a model leaving
+        the engine) back to the free list; returns how many."""
+        pages = [p for p in self._evictable if owner is None or self._owner[p] == owner]
+        for page in pages:
+            del self._evictable[page]
             self._forget_key(page)
             self._owner[page] = None
             self._free.append(page)
+        return len(pages)
 
     # -- accounting ------------------------------------------------------------
     def stats(self) -> PoolStats:

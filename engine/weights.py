@@ -334,6 +334,21 @@ class WeightStore:
             self._tokenizers.pop(path, None)
             return len(keys)
 
+    def unload_model(self, loaded: LoadedModel) -> bool:
+        """One ``load()`` of this instance is over; when it was the last, the instance
+        and every tensor nobody else uses are dropped (True)."""
+        with self._lock:
+            key = next((k for k, m in self._models.items() if m is loaded), None)
+            if key is None:
+                return False
+            loaded.loads -= 1
+            self._reports = None
+            if loaded.loads > 0:
+                return False
+            del self._models[key]
+            self._forget(key)
+            return True
+
     def _forget(self, key: tuple | None) -> int:
         """Drop ``key`` from every held tensor, then every tensor nobody uses (and the
         file pages under it); returns the bytes of pages given back."""
@@ -404,6 +419,26 @@ class WeightStore:
                 for tkey, t in distinct(loaded.model).items():
                     seen[tkey] = tensor_bytes(t)
             return sum(seen.values())
+
+
+def estimate_bytes(folder: str | Path, dtype: torch.dtype) -> int:
+    """What a model folder's weights will hold in ``dtype``, from the file headers (no
+    tensor is read): floating tensors convert to ``dtype``, others keep their size."""
+    path = Path(folder).expanduser().resolve()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                part = f.get_slice(key)
+                numel = math.prod(part.get_shape())
+                dtype_name = part.get_dtype()
+                size = itemsize if dtype_name.startswith(("F", "BF")) else _SIZES.get(dtype_name, 4)
+                total += numel * size
+    return total
+
+
+_SIZES = {"I8": 1, "U8": 1, "BOOL": 1, "I16": 2, "I32": 4, "I64": 8}
 
 
 # -- tasks -------------------------------------------------------------------------

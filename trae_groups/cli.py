@@ -31,17 +31,15 @@ from typing import Any
 
 log = logging.getLogger("trae_groups.cli")
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-
 
 def parse_size(text: str) -> int:
     """Bytes from "8388608", "512MiB", "1.5G", "64kb" (powers of 1024)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2G)")
-    unit = match.group(2).lower()
-    scale = 1024 ** ("kmgt".index(unit) + 1) if unit else 1
-    return int(float(match.group(1)) * scale)
+    from trae_groups.engine.config import parse_size as bytes_of
+
+    try:
+        return bytes_of(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _json_arg(text: str) -> Any:

@@ -227,6 +227,7 @@ class EngineCollector(Collector):
                     self._engine(replica, stats),
                     self._pool(stats.pool, stats.models),
                     self._workers(replica, stats.models),
+                    _memory_metrics(stats),
                 )
                 for family in families:  # every engine series carries its replica
                     into = merged.setdefault(
@@ -389,6 +390,46 @@ def _encoder_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
         buckets, summed = _histogram_from_sizes(m.batch_sizes)
         sizes.add_metric([model], buckets, summed)
     yield from (queue, batches, items, padding, sizes)
+
+
+def _memory_metrics(stats: EngineStats) -> Iterable[Metric]:
+    """Weights each model holds (packed and quantized included) and on-demand residency."""
+    held = GaugeMetricFamily(
+        "trae_model_weight_bytes",
+        "Bytes of weights a loaded model holds: total, shared (also used by another "
+        "model) and private (copies only it can use: packed, quantized)",
+        labels=["model", "kind"],
+    )
+    params = GaugeMetricFamily(
+        "trae_model_parameters", "Weight elements a loaded model holds", labels=["model"]
+    )
+    for model, w in sorted(stats.weights.items()):
+        for kind, value in (("total", w.bytes), ("shared", w.shared_bytes),
+                            ("private", w.private_bytes)):  # fmt: skip
+            held.add_metric([model, kind], float(value))
+        params.add_metric([model], float(w.parameters))
+    yield held
+    yield params
+    if stats.weight_budget is not None:
+        yield _gauge("trae_weight_budget_bytes", "Weight bytes held at most", stats.weight_budget)
+    resident = GaugeMetricFamily(
+        "trae_model_resident", "1 while an on-demand model is loaded", labels=["model"]
+    )
+    waiting = GaugeMetricFamily(
+        "trae_model_load_waiting_requests",
+        "Requests waiting for an on-demand model to load",
+        labels=["model"],
+    )
+    loads = CounterMetricFamily("trae_model_loads", "On-demand model loads", labels=["model"])
+    evictions = CounterMetricFamily(
+        "trae_model_evictions", "On-demand models evicted for room", labels=["model"]
+    )
+    for model, r in sorted(stats.residency.items()):
+        resident.add_metric([model], 1.0 if r.resident else 0.0)
+        waiting.add_metric([model], float(r.waiting))
+        loads.add_metric([model], float(r.loads))
+        evictions.add_metric([model], float(r.evictions))
+    yield from (resident, waiting, loads, evictions)
 
 
 def _model_of(owner: str) -> str:

@@ -1,0 +1,165 @@
+"""Models resident on demand: three LLMs served within a weight budget that holds two.
+
+Real tiny models on disk, a real server on 127.0.0.1; every answer is checked against
+transformers' own greedy ``generate`` of the model it names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import build_llm
+from trae_groups.engine.clients import OnDemandLLM
+from trae_groups.engine.errors import ModelUnavailable
+from trae_groups.engine.protocol import GenerateRequest
+from trae_groups.engine.sampling import SamplingParams
+from trae_groups.engine.weights import estimate_bytes
+from trae_groups.graphs.loader import load_graph_text
+from trae_groups.graphs.runtime import ModelRuntime
+from trae_groups.server import ServerConfig, ServerThread, create_app
+
+NAMES = ("a", "b", "c")
+MAX_TOKENS = 6
+PROMPTS = ["hello world", "the quick brown fox", "please refund me"]
+
+
+def graph(root, budget: int, wait: str = "60") -> str:
+    models = "\n".join(
+        f"  {n}: {{source: {root / n}, task: generate, resident: on_demand}}" for n in NAMES
+    )
+    nodes = "\n".join(
+        f"  {n}: {{model: {n}, prompt: '{{{{ inputs.text }}}}', "
+        f"params: {{max_tokens: {MAX_TOKENS}, temperature: 0}}}}"
+        for n in NAMES
+    )
+    outputs = ", ".join(f"{n}: {n}.text" for n in NAMES)
+    return (
+        f"name: trio\nresources: {{weight_budget: {budget}, load_wait_s: {wait}}}\n"
+        f"models:\n{models}\ninputs: {{text: str}}\nnodes:\n{nodes}\noutputs: {{{outputs}}}\n"
+    )
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trio")
+    for seed, name in enumerate(NAMES):
+        build_llm(root / name, seed=seed + 1)
+    one = estimate_bytes(root / "a", torch.float32)
+    return root, int(2.5 * one)  # room for two of the three
+
+
+def expected(root) -> dict[tuple[str, str], str]:
+    """transformers' greedy continuation of every prompt by every model."""
+    out = {}
+    for name in NAMES:
+        tok = AutoTokenizer.from_pretrained(root / name)
+        model = AutoModelForCausalLM.from_pretrained(root / name).eval()
+        for prompt in PROMPTS:
+            ids = tok.encode(prompt, add_special_tokens=False)
+            with torch.no_grad():
+                gen = model.generate(
+                    torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                    eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                )[0, len(ids):].tolist()  # fmt: skip
+            if tok.eos_token_id in gen:
+                gen = gen[: gen.index(tok.eos_token_id)]
+            out[(name, prompt)] = tok.decode(gen, skip_special_tokens=True)
+    return out
+
+
+def metric(text: str, name: str, model: str) -> float:
+    match = re.search(rf'^{name}{{model="{model}",replica="local"}} (\S+)$', text, re.M)
+    assert match, f"{name} for {model} missing"
+    return float(match.group(1))
+
+
+def test_three_llms_in_a_budget_for_two_all_answer_under_interleaved_load(trio):
+    root, budget = trio
+    (root / "trio.yaml").write_text(graph(root, budget))
+    want = expected(root)
+    calls = [(NAMES[i % 3], PROMPTS[(i // 3) % 3]) for i in range(18)]
+    calls = calls[::2] + calls[1::2]  # interleaved: no model's requests come together
+
+    async def run(url: str) -> list[tuple[int, dict]]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+
+            async def one(model: str, prompt: str):
+                body = {"inputs": {"text": prompt}, "outputs": [model]}
+                r = await http.post("/v1/graphs/trio", json=body)
+                return r.status_code, r.json()
+
+            results = []
+            for start in range(0, len(calls), 3):  # three at a time: one always waits
+                results += await asyncio.gather(*(one(*c) for c in calls[start : start + 3]))
+            return results
+
+    with ServerThread(create_app([root / "trio.yaml"], ServerConfig())) as server:
+        results = asyncio.run(run(server.url))
+        text = httpx.get(f"{server.url}/metrics").text
+    for (model, prompt), (status, body) in zip(calls, results, strict=True):
+        assert status == 200, body
+        assert body["outputs"][model] == want[(model, prompt)], (model, prompt)
+    evictions = sum(metric(text, "trae_model_evictions_total", n) for n in NAMES)
+    loads = sum(metric(text, "trae_model_loads_total", n) for n in NAMES)
+    assert evictions > 0 and loads == evictions + sum(
+        metric(text, "trae_model_resident", n) for n in NAMES
+    )
+    assert sum(metric(text, "trae_model_resident", n) for n in NAMES) <= 2
+    budget_line = re.search(r"^trae_weight_budget_bytes\{replica=\"local\"\} (\S+)$", text, re.M)
+    assert budget_line and float(budget_line.group(1)) == budget
+
+
+def test_a_model_that_cannot_become_resident_in_time_is_a_retryable_503(trio):
+    """Budget for one model, held by a generation that stays open: the other model's
+    request waits load_wait_s, then gets ModelUnavailable (503 + Retry-After); once
+    the first is done, the second loads and answers."""
+    root, budget = trio
+    spec = load_graph_text(graph(root, budget // 2, wait="0.3"), "trio.yaml")
+    rt = ModelRuntime.for_specs([spec])
+    assert rt.config.weight_budget == budget // 2 and rt.config.load_wait_s == 0.3
+    executor = rt.bind(spec)
+    rt.start()
+    a, b = (executor.models[n].clients["default"] for n in ("a", "b"))
+    assert isinstance(a, OnDemandLLM)
+
+    def request(i: int) -> GenerateRequest:
+        return GenerateRequest(f"r{i}", SamplingParams(max_tokens=4), prompt="hello world")
+
+    async def scenario():
+        held = a.generate(request(1))
+        first = await held.__anext__()  # "a" is resident and in use while this is open
+        with pytest.raises(ModelUnavailable) as refused:
+            async for _ in b.generate(request(2)):
+                pass
+        await held.aclose()  # "a" is idle now: "b" may evict it
+        for attempt in range(20):  # as a client told to retry would (a load can outlast 0.3 s)
+            try:
+                return first, refused.value, [c async for c in b.generate(request(3 + attempt))]
+            except ModelUnavailable:
+                await asyncio.sleep(0.1)
+        raise AssertionError("'b' never became resident")
+
+    try:
+        first, refused, chunks = asyncio.run(scenario())
+    finally:
+        rt.shutdown()
+    assert first.token_ids and refused.retry_after >= 1 and "b" in str(refused)
+    assert chunks[-1].finished and chunks[-1].finish_reason in ("stop", "length")
+    stats = rt.stats()
+    assert stats.residency["a"].evictions == 1 and stats.residency["b"].resident
+    assert stats.pool.used_pages == 0 and not stats.pool.cached_by_owner.get("a")
+
+
+def test_an_on_demand_model_larger_than_the_budget_is_refused_at_load(trio):
+    root, budget = trio
+    spec = load_graph_text(graph(root, budget // 4), "trio.yaml")
+    rt = ModelRuntime.for_specs([spec])
+    with pytest.raises(ValueError, match="weight budget"):
+        rt.bind(spec)
+    rt.shutdown()
