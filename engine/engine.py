@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -58,6 +59,14 @@ def load_causal_lm(store: WeightStore, path: str, dtype: torch.dtype, device: st
     return loaded.model, loaded.tokenizer
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # what a process-wide memory profiler reads
+
+
+def live_engines() -> list[LLMEngine]:
+    """Every engine of this process still alive (``trae_groups.monitor`` samples them)."""
+    return list(_LIVE)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -85,6 +94,7 @@ class LLMEngine:
         )
         self._request_owner: dict[str, Worker] = {}
         self._lock = threading.Lock()
+        _LIVE.add(self)
         for name, path in named.items():
             self.add_llm(name, path)
         log.info(

@@ -214,6 +214,9 @@ def test_model_info_reports_each_model(root, capsys):
     assert models["intent"]["parameters"] > 0
     assert models["dialog"]["used_by"] == ["support/reply"]
     assert report["held_bytes"] == sum(m["bytes"] for m in models.values())
+    # the LLM's linears are pre-packed private copies: counted, not only its embeddings
+    dialog = models["dialog"]
+    assert dialog["private_bytes"] > dialog["bytes"] / 2 and dialog["resident"] == "always"
 
 
 def test_bench_in_process_prints_throughput_and_percentiles(root, capsys):

@@ -219,6 +219,7 @@ class EngineCollector(Collector):
         ready = GaugeMetricFamily("trae_ready", "1 when every model is loaded and serving")
         ready.add_metric([], 1.0 if self._ready() else 0.0)
         yield ready
+        yield from _process_metrics()
         yield from self._node_info()
         merged: dict[str, Metric] = {}
         with self._lock:
@@ -390,6 +391,29 @@ def _encoder_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
         buckets, summed = _histogram_from_sizes(m.batch_sizes)
         sizes.add_metric([model], buckets, summed)
     yield from (queue, batches, items, padding, sizes)
+
+
+def _process_metrics() -> Iterable[Metric]:
+    """This process's memory as the MemoryProfiler samples it (trae_groups/monitor.py)."""
+    from trae_groups.monitor import device_memory, process_memory
+
+    process = GaugeMetricFamily(
+        "trae_process_memory_bytes",
+        "Resident memory of this process: rss, pss, anon (heap, private copies), file "
+        "(mapped weight files)",
+        labels=["kind"],
+    )
+    for kind, value in process_memory().items():
+        process.add_metric([kind], float(value))
+    yield process
+    device = GaugeMetricFamily(
+        "trae_device_memory_bytes",
+        "CUDA memory: allocated by tensors, reserved by torch, used (all processes), total",
+        labels=["kind"],
+    )
+    for kind, value in device_memory().items():
+        device.add_metric([kind], float(value))
+    yield device
 
 
 def _memory_metrics(stats: EngineStats) -> Iterable[Metric]:
