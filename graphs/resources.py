@@ -4,6 +4,7 @@
       weight_budget: 2GiB          # weights held at once; on-demand models are evicted to fit
       load_wait_s: 30              # a request waits this long for an on-demand model, then 503
       pool_bytes: 512MiB           # the KV/working-memory pool (default: sized after loading)
+      gpu_memory_reservation: 0.8  # on a GPU: the pool takes this share less what is in use
 
 Each field is an ``EngineConfig`` field of the same name: its meaning, default and range
 live there, and a value here is checked by building one (so a bad value is refused at
@@ -31,6 +32,7 @@ class ResourcesSpec(Spec):
     weight_budget: Size | None = None
     load_wait_s: float | None = None
     pool_bytes: Size | None = None
+    gpu_memory_reservation: float | None = None
 
     @model_validator(mode="after")
     def _engine_accepts(self) -> ResourcesSpec:

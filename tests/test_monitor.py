@@ -47,7 +47,7 @@ def test_samples_add_up_to_the_pool_and_store_accounting(runtime, tmp_path):
     rt, executor = runtime
     for text in ("hello world, how are you today?", "please refund me"):  # prefix cache fills
         asyncio.run(executor.run({"text": text}))
-    profiler = MemoryProfiler(interval=0.05, path=tmp_path / "mem.jsonl").start()
+    profiler = MemoryProfiler(0.05, tmp_path / "mem.jsonl", stats=lambda: [rt.stats()]).start()
     client = executor.models["dialog"].clients["default"]
 
     async def while_generating():

@@ -68,6 +68,11 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     group.add_argument("--attention-backend", default=None, help="torch, triton, flash_attn")
     group.add_argument(
+        "--gpu-memory-reservation", type=float, default=None, metavar="SHARE",
+        help="on a GPU, the share of its memory to fill; the pool takes it less what is in "
+        "use once the weights are loaded (default: the graph's resources:, else 0.9)",
+    )  # fmt: skip
+    group.add_argument(
         "--weight-budget", type=parse_size, default=None,
         help="weights held at once, e.g. 2GiB: on-demand models are evicted to fit "
         "(default: the graph's resources:, else no limit)",
@@ -94,6 +99,7 @@ def _engine_config(args: argparse.Namespace):
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
         "weight_budget": args.weight_budget,
+        "gpu_memory_reservation": args.gpu_memory_reservation,
     }
     return dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
 
@@ -106,14 +112,6 @@ def _load_runtime(paths: Sequence[str], config) -> tuple[Any, list[Any]]:
     specs = [load_graph(p) for p in paths]
     runtime = ModelRuntime.for_specs(specs, config)
     executors = [runtime.bind(spec) for spec in specs]
-    stats = runtime.stats()
-    log.info(
-        "engine on device %s, attention backend %s, pool %d pages x %d bytes",
-        stats.device,
-        stats.attention_backend,
-        stats.pool.num_pages,
-        stats.pool.page_bytes,
-    )
     return runtime, executors
 
 
