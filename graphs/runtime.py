@@ -63,6 +63,9 @@ class ModelRuntime:
         self._by_key: dict[tuple, _Loaded] = {}
         self.graphs: dict[str, GraphExecutor] = {}
         self._bar: tqdm | None = None  # the model-load progress bar while bind() runs
+        # the weight budget cannot hold every model at once: generate models that do not
+        # say `resident: always` are resident on demand
+        self.under_pressure = False
 
     @classmethod
     def for_specs(cls, specs: list[GraphSpec], config: EngineConfig | None = None) -> ModelRuntime:
@@ -76,7 +79,9 @@ class ModelRuntime:
         sharing = specs[0].sharing if specs else None
         policy = SharingPolicy(memory=sharing.memory, gpu=sharing.gpu) if sharing else None
         config = apply_resources(config or EngineConfig(), [spec.resources for spec in specs])
-        return cls(config, reserve_for=llms, sharing=policy)
+        runtime = cls(config, reserve_for=llms, sharing=policy)
+        runtime.under_pressure = _over_budget(specs, config)
+        return runtime
 
     def start(self) -> None:
         self._check_budget()
@@ -224,7 +229,7 @@ class ModelRuntime:
         if spec.task != "generate":
             return self._load_encoders([(name, version, spec, path)])[(name, version)]
         worker_name = self._free_name(name if version == "default" else f"{name}@{version}")
-        if spec.resident == "on_demand":
+        if spec.resident == "on_demand" or (spec.resident is None and self.under_pressure):
             client = self._on_demand(worker_name, spec, path)
             self._by_key[key] = _Loaded(client, None, str(path))
             return client
@@ -333,6 +338,32 @@ class ModelRuntime:
     def replica_stats(self) -> dict[str, EngineStats]:
         """Stats by engine replica: one process is one replica, "local"."""
         return {"local": self.stats()}
+
+
+def _over_budget(specs: list[GraphSpec], config: EngineConfig) -> bool:
+    """Whether every model of the graphs, each folder once, would overflow the weight
+    budget (estimated from the files' headers; nothing is loaded)."""
+    if config.weight_budget is None:
+        return False
+    wanted = {
+        (str(spec.model_path(name, version).resolve()),
+         DTYPES.get(model.dtype or "", config.torch_dtype))
+        for spec in specs
+        for name, model in spec.models.items()
+        for version in model.sources
+    }  # fmt: skip
+    try:
+        total = sum(estimate_bytes(path, dtype) for path, dtype in wanted)
+    except (ModelLoadError, OSError):
+        return False  # a missing folder fails at load, with its own message
+    if total > config.weight_budget:
+        log.info(
+            "weight_budget %.0f MiB cannot hold every model (%.0f MiB): generate models "
+            "are resident on demand unless they say resident: always",
+            config.weight_budget / 2**20, total / 2**20,
+        )  # fmt: skip
+        return True
+    return False
 
 
 def _batcher(spec: ModelSpec) -> BatcherConfig:

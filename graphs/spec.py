@@ -88,8 +88,10 @@ class ModelSpec(Spec):
     max_prompt_tokens: int | None = Field(None, gt=0)  # generate models: longer prompts refused
     max_tokens_limit: int | None = Field(None, gt=0)  # generate models: the most one request asks
     # "on_demand": loaded at its first request, evicted when idle and the weight budget
-    # needs room (generate models; engine/residency.py)
-    resident: Literal["always", "on_demand"] = "always"
+    # needs room (generate models; engine/residency.py); "always": never evicted; unset:
+    # always, unless the weight budget cannot hold every model of the graphs at once,
+    # then on demand (generate models)
+    resident: Literal["always", "on_demand"] | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:

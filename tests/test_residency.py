@@ -15,8 +15,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import build_llm
+from trae_groups.engine import EngineConfig
 from trae_groups.engine.clients import OnDemandLLM
-from trae_groups.engine.errors import ModelUnavailable
+from trae_groups.engine.errors import ModelLoadError, ModelUnavailable
 from trae_groups.engine.protocol import GenerateRequest
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.weights import estimate_bytes
@@ -29,10 +30,8 @@ MAX_TOKENS = 6
 PROMPTS = ["hello world", "the quick brown fox", "please refund me"]
 
 
-def graph(root, budget: int, wait: str = "60") -> str:
-    models = "\n".join(
-        f"  {n}: {{source: {root / n}, task: generate, resident: on_demand}}" for n in NAMES
-    )
+def graph(root, budget: int, wait: str = "60", resident: str = ", resident: on_demand") -> str:
+    models = "\n".join(f"  {n}: {{source: {root / n}, task: generate{resident}}}" for n in NAMES)
     nodes = "\n".join(
         f"  {n}: {{model: {n}, prompt: '{{{{ inputs.text }}}}', "
         f"params: {{max_tokens: {MAX_TOKENS}, temperature: 0}}}}"
@@ -79,9 +78,12 @@ def metric(text: str, name: str, model: str) -> float:
     return float(match.group(1))
 
 
-def test_three_llms_in_a_budget_for_two_all_answer_under_interleaved_load(trio):
+@pytest.mark.parametrize("resident", [", resident: on_demand", ""], ids=["marked", "pressure"])
+def test_three_llms_in_a_budget_for_two_all_answer_under_interleaved_load(trio, resident):
+    """Marked on demand, or not marked at all: a budget that cannot hold every model
+    makes the unmarked generate models resident on demand too."""
     root, budget = trio
-    (root / "trio.yaml").write_text(graph(root, budget))
+    (root / "trio.yaml").write_text(graph(root, budget, resident=resident))
     want = expected(root)
     calls = [(NAMES[i % 3], PROMPTS[(i // 3) % 3]) for i in range(18)]
     calls = calls[::2] + calls[1::2]  # interleaved: no model's requests come together
@@ -131,19 +133,25 @@ def test_a_model_that_cannot_become_resident_in_time_is_a_retryable_503(trio):
     def request(i: int) -> GenerateRequest:
         return GenerateRequest(f"r{i}", SamplingParams(max_tokens=4), prompt="hello world")
 
+    async def retried(client, first: int):
+        """A generation opened and its first chunk read, retried as a client told to
+        retry would (a load can outlast the 0.3 s wait on a busy machine)."""
+        for attempt in range(50):
+            stream = client.generate(request(first + attempt))
+            try:
+                return stream, await stream.__anext__()
+            except ModelUnavailable:
+                await asyncio.sleep(0.1)
+        raise AssertionError(f"{client.name!r} never became resident")
+
     async def scenario():
-        held = a.generate(request(1))
-        first = await held.__anext__()  # "a" is resident and in use while this is open
+        held, first = await retried(a, 100)  # "a" is resident and in use while it is open
         with pytest.raises(ModelUnavailable) as refused:
             async for _ in b.generate(request(2)):
                 pass
         await held.aclose()  # "a" is idle now: "b" may evict it
-        for attempt in range(20):  # as a client told to retry would (a load can outlast 0.3 s)
-            try:
-                return first, refused.value, [c async for c in b.generate(request(3 + attempt))]
-            except ModelUnavailable:
-                await asyncio.sleep(0.1)
-        raise AssertionError("'b' never became resident")
+        stream, head = await retried(b, 200)
+        return first, refused.value, [head] + [c async for c in stream]
 
     try:
         first, refused, chunks = asyncio.run(scenario())
@@ -154,6 +162,21 @@ def test_a_model_that_cannot_become_resident_in_time_is_a_retryable_503(trio):
     stats = rt.stats()
     assert stats.residency["a"].evictions == 1 and stats.residency["b"].resident
     assert stats.pool.used_pages == 0 and not stats.pool.cached_by_owner.get("a")
+
+
+def test_resident_always_is_never_evicted_and_a_budget_it_fills_is_refused_at_start(trio):
+    root, budget = trio
+    text = graph(root, budget).replace(
+        f"{{source: {root / 'a'}, task: generate, resident: on_demand}}",
+        f"{{source: {root / 'a'}, task: generate, resident: always}}",
+    )
+    spec = load_graph_text(text, "trio.yaml")
+    rt = ModelRuntime.for_specs([spec], EngineConfig(weight_budget=budget // 2))
+    rt.bind(spec)
+    assert rt.engine.llms["a"] and set(rt.stats().residency) == {"b", "c"}
+    with pytest.raises(ModelLoadError, match="always-resident models hold"):
+        rt.start()
+    rt.shutdown()
 
 
 def test_an_on_demand_model_larger_than_the_budget_is_refused_at_load(trio):
