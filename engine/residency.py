@@ -167,11 +167,16 @@ class Residency:
             seconds = time.perf_counter() - started
             added = self._held() - before
             with self._cond:
-                entry.resident = loaded
+                removed = self._entries.get(entry.name) is not entry  # its graph went away
+                if not removed:
+                    entry.resident = loaded
                 entry.bytes = added if added > 0 else entry.bytes
                 entry.loads += 1
                 entry.load_seconds = seconds
                 entry.last_used = time.monotonic()
+            if removed:
+                loaded.unload()
+                return
             log.info(
                 "loaded on-demand model '%s' in %.2f s (%.1f MB)", entry.name, seconds, added / 1e6
             )
