@@ -22,7 +22,6 @@ from trae_groups.engine.protocol import (
     GenerationChunk,
     ModelStats,
 )
-from trae_groups.engine.residency import Residency
 from trae_groups.engine.sequence import RequestOutput
 
 
@@ -150,39 +149,3 @@ def as_chunk(out: RequestOutput) -> GenerationChunk:
         out.num_cached_tokens,
         out.error,
     )
-
-
-class OnDemandLLM:
-    """A causal LM resident on demand (``engine/residency.py``): each generation first
-    makes it resident, waiting while it loads, and keeps it from eviction until the
-    generation ends; ``ModelUnavailable`` when it is not resident in time."""
-
-    task = "generate"
-
-    def __init__(self, residency: Residency, name: str):
-        self.residency = residency
-        self.name = name
-
-    async def encode(self, request: EncodeRequest) -> dict[str, Any]:
-        raise RequestError("model", f"{self.name!r} is a generate model: it cannot encode")
-
-    def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
-        return self._generate(request)
-
-    async def _generate(self, request: GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
-        client = await self.residency.acquire(self.name)
-        try:
-            async with aclosing(client.generate(request)) as stream:
-                async for chunk in stream:
-                    yield chunk
-        finally:
-            self.residency.release(self.name)
-
-    def abort(self, request_id: str) -> None:
-        client = self.residency.client(self.name)
-        if client is not None:
-            client.abort(request_id)
-
-    def stats(self) -> ModelStats:
-        client = self.residency.client(self.name)
-        return client.stats() if client is not None else ModelStats(self.name, "llm")

@@ -19,7 +19,6 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 from trae_groups.engine.errors import RequestError
 from trae_groups.engine.memory_pool import PoolStats
-from trae_groups.engine.residency import ResidencyStats
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.worker import Priority
 
@@ -135,6 +134,20 @@ class ModelStats:
     @property
     def pending(self) -> int:
         return self.running + self.waiting
+
+
+@dataclass(frozen=True)
+class ResidencyStats:
+    """One on-demand model. ``bytes``: what it held when last loaded (its estimate
+    before the first load)."""
+
+    resident: bool
+    bytes: int
+    active: int
+    waiting: int
+    loads: int
+    evictions: int
+    load_seconds: float
 
 
 @dataclass(frozen=True)

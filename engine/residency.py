@@ -21,12 +21,20 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from trae_groups.engine.errors import ModelUnavailable
+from trae_groups.engine.errors import ModelUnavailable, RequestError
+from trae_groups.engine.protocol import (
+    EncodeRequest,
+    GenerateRequest,
+    GenerationChunk,
+    ModelStats,
+    ResidencyStats,
+)
 
 log = logging.getLogger("trae_groups.engine")
 
@@ -37,20 +45,6 @@ class Loaded:
 
     client: Any
     unload: Callable[[], None]
-
-
-@dataclass(frozen=True)
-class ResidencyStats:
-    """One on-demand model. ``bytes``: what it held when last loaded (its estimate
-    before the first load)."""
-
-    resident: bool
-    bytes: int
-    active: int
-    waiting: int
-    loads: int
-    evictions: int
-    load_seconds: float
 
 
 @dataclass(eq=False)
@@ -235,3 +229,39 @@ def _stats(e: _Entry) -> ResidencyStats:
     return ResidencyStats(
         resident, e.bytes, e.active, e.waiting, e.loads, e.evictions, e.load_seconds
     )
+
+
+class OnDemandLLM:
+    """A causal LM resident on demand (the ``Residency`` above): each generation first
+    makes it resident, waiting while it loads, and keeps it from eviction until the
+    generation ends; ``ModelUnavailable`` when it is not resident in time."""
+
+    task = "generate"
+
+    def __init__(self, residency: Residency, name: str):
+        self.residency = residency
+        self.name = name
+
+    async def encode(self, request: EncodeRequest) -> dict[str, Any]:
+        raise RequestError("model", f"{self.name!r} is a generate model: it cannot encode")
+
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
+        return self._generate(request)
+
+    async def _generate(self, request: GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
+        client = await self.residency.acquire(self.name)
+        try:
+            async with aclosing(client.generate(request)) as stream:
+                async for chunk in stream:
+                    yield chunk
+        finally:
+            self.residency.release(self.name)
+
+    def abort(self, request_id: str) -> None:
+        client = self.residency.client(self.name)
+        if client is not None:
+            client.abort(request_id)
+
+    def stats(self) -> ModelStats:
+        client = self.residency.client(self.name)
+        return client.stats() if client is not None else ModelStats(self.name, "llm")

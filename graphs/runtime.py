@@ -20,7 +20,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from trae_groups.engine.batcher import BatcherConfig
-from trae_groups.engine.clients import LocalEncoder, LocalLLM, OnDemandLLM
+from trae_groups.engine.clients import LocalEncoder, LocalLLM
 from trae_groups.engine.config import DTYPES, EngineConfig
 from trae_groups.engine.encoder_worker import EncoderWorker
 from trae_groups.engine.engine import LLMEngine
@@ -29,6 +29,7 @@ from trae_groups.engine.llm_runner import ATTN_NAME
 from trae_groups.engine.memory import trim_heap
 from trae_groups.engine.protocol import EngineStats
 from trae_groups.engine.residency import Loaded as Resident
+from trae_groups.engine.residency import OnDemandLLM
 from trae_groups.engine.weights import SharingPolicy, WeightStore, estimate_bytes
 from trae_groups.graphs.compile import CompiledGraph, compile_graph, resolve_functions
 from trae_groups.graphs.executor import GraphExecutor

@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import build_llm
 from trae_groups.engine import EngineConfig
-from trae_groups.engine.clients import OnDemandLLM
 from trae_groups.engine.errors import ModelLoadError, ModelUnavailable
 from trae_groups.engine.protocol import GenerateRequest
+from trae_groups.engine.residency import OnDemandLLM
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.weights import estimate_bytes
 from trae_groups.graphs.loader import load_graph_text
