@@ -12,7 +12,9 @@ idle. A request whose model is not resident within ``wait_s`` gets ``ModelUnavai
 
 Evicting takes the model's worker off the engine loop (between two steps), returns its
 cached KV pages to the pool and drops its weights from the store (``Loaded.unload``).
-A model is never evicted while a request uses it or waits for it.
+A model is never evicted while a request uses it or waits for it. Requests reach an
+on-demand model through ``OnDemandLLM``, a ``ModelClient`` that acquires it around
+each generation.
 """
 
 from __future__ import annotations
