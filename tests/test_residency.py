@@ -104,6 +104,7 @@ def test_three_llms_in_a_budget_for_two_all_answer_under_interleaved_load(trio, 
     with ServerThread(create_app([root / "trio.yaml"], ServerConfig())) as server:
         results = asyncio.run(run(server.url))
         text = httpx.get(f"{server.url}/metrics").text
+        reports = {r.name: r for r in server.state.runtime.store.report()}
     for (model, prompt), (status, body) in zip(calls, results, strict=True):
         assert status == 200, body
         assert body["outputs"][model] == want[(model, prompt)], (model, prompt)
@@ -113,6 +114,16 @@ def test_three_llms_in_a_budget_for_two_all_answer_under_interleaved_load(trio, 
         metric(text, "trae_model_resident", n) for n in NAMES
     )
     assert sum(metric(text, "trae_model_resident", n) for n in NAMES) <= 2
+    # what /metrics says each resident model holds is the store's own count
+    assert set(reports) == {n for n in NAMES if metric(text, "trae_model_resident", n)}
+    for name, report in reports.items():
+        for kind, value in (("total", report.bytes), ("private", report.private_bytes)):
+            line = (
+                rf'^trae_model_weight_bytes{{kind="{kind}",model="{name}",replica="local"}} (\S+)$'
+            )
+            assert float(re.search(line, text, re.M).group(1)) == value
+    rss = re.search(r'^trae_process_memory_bytes{kind="rss"} (\S+)$', text, re.M)
+    assert rss and float(rss.group(1)) > sum(r.bytes for r in reports.values())
     budget_line = re.search(r"^trae_weight_budget_bytes\{replica=\"local\"\} (\S+)$", text, re.M)
     assert budget_line and float(budget_line.group(1)) == budget
 
