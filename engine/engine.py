@@ -342,7 +342,7 @@ class LLMEngine:
             busy_seconds=self.loop.busy_seconds,
             pool=self.pool.stats(),
             models={name: w.model_stats() for name, w in workers.items()},
-            weights={r.name: WeightStats.of(r) for r in self.store.report()},
+            weights={r.name: WeightStats.of(r) for r in self.store.report(wait=False)},
             residency=self.residency.stats(),
             weight_budget=self.config.weight_budget,
         )

@@ -187,8 +187,9 @@ class Residency:
         if self.budget is None:
             return
         while True:
+            held = self._held()  # outside the lock: a load elsewhere may hold the store
             with self._cond:
-                if self._held() + entry.bytes <= self.budget:
+                if held + entry.bytes <= self.budget:
                     return
                 victim = self._victim(entry)
                 if victim is None:

@@ -193,6 +193,7 @@ class WeightStore:
         self._tokenizers: dict[str, Any] = {}
         self._isolated_count = 0
         self._reports: list[ModelReport] | None = None  # until what is loaded changes
+        self._last_reports: list[ModelReport] = []
 
     # -- loading -----------------------------------------------------------------
     def load(
@@ -377,12 +378,18 @@ class WeightStore:
         with self._lock:
             return list(self._models.values())
 
-    def report(self) -> list[ModelReport]:
-        """One row per loaded instance; computed once per change of what is loaded."""
-        with self._lock:
+    def report(self, wait: bool = True) -> list[ModelReport]:
+        """One row per loaded instance; computed once per change of what is loaded.
+        ``wait=False`` (metrics): while a load holds the store, the last rows computed."""
+        if not self._lock.acquire(blocking=wait):
+            return list(self._last_reports)
+        try:
             if self._reports is None:
                 self._reports = [self._report(key, m) for key, m in self._models.items()]
+                self._last_reports = self._reports
             return list(self._reports)
+        finally:
+            self._lock.release()
 
     def _report(self, key: tuple, loaded: LoadedModel) -> ModelReport:
         tensors = distinct(loaded.model)
