@@ -7,6 +7,7 @@ transformers' own greedy ``generate`` of the model it names.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 import httpx
@@ -15,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import build_llm
+from trae_groups.cli import main
 from trae_groups.engine import EngineConfig
 from trae_groups.engine.errors import ModelLoadError, ModelUnavailable
 from trae_groups.engine.protocol import GenerateRequest
@@ -197,3 +199,13 @@ def test_an_on_demand_model_larger_than_the_budget_is_refused_at_load(trio):
     with pytest.raises(ValueError, match="weight budget"):
         rt.bind(spec)
     rt.shutdown()
+
+
+def test_model_info_lists_on_demand_models_with_their_estimate(trio, capsys):
+    root, budget = trio
+    (root / "info.yaml").write_text(graph(root, budget))
+    assert main(["model", "info", str(root / "info.yaml"), "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)["models"]}
+    assert {n: r["resident"] for n, r in rows.items()} == dict.fromkeys(NAMES, "on_demand")
+    assert rows["a"]["bytes"] == estimate_bytes(root / "a", torch.float32)
+    assert rows["a"]["parameters"] is None  # not loaded: nothing is counted but the estimate
