@@ -85,8 +85,11 @@ def test_samples_add_up_to_the_pool_and_store_accounting(runtime, tmp_path):
 
 def test_profile_plot_writes_a_png(runtime, tmp_path, capsys):
     profile = tmp_path / "mem.jsonl"
-    with MemoryProfiler(interval=0.02, path=profile):
+    with MemoryProfiler(interval=0.02, path=profile):  # no stats=: every live engine
         asyncio.run(runtime[1].run({"text": "hello"}))
+    last = read_profile(profile)[-1]
+    assert runtime[0].engine.pool.num_pages in [p["pages"] for p in last["pools"]]
+    assert {"dialog", "intent"} <= set(last["weights"])
     assert main(["profile", "plot", str(profile), "-o", str(tmp_path / "mem.png")]) == 0
     png = (tmp_path / "mem.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
