@@ -115,6 +115,8 @@ class Residency:
                 with self._cond:
                     if entry.resident is not None:
                         return self._use(entry)
+                    if self._entries.get(name) is not entry:  # its graph went away meanwhile
+                        raise self._unavailable(entry, "no longer served here")
                     if entry.loading is None:
                         entry.loading = self._loader.submit(self._load, entry, deadline)
                     future = entry.loading
