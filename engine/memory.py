@@ -10,7 +10,8 @@ every report uses (``module_tensors``) asks each module for its held tensors too
 * a module class we own defines ``held_tensors(self) -> Iterable[tuple[str, Tensor]]``
   (the hook, ``HELD_TENSORS``): the tensors it keeps outside ``_parameters`` and
   ``_buffers``, each once;
-* a class we do not own gets a function registered for it with ``register_held``.
+* a class we do not own gets a function registered for it with ``register_held``;
+* torch's quantized Linear kinds are recognised by their packed parameters.
 
 Opaque tensors (mkldnn) have no data pointer; ``tensor_key`` identifies them by the
 object instead, and ``tensor_bytes`` counts them by element count and size (the
@@ -52,7 +53,12 @@ def held_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     if hook is not None:
         return hook(module)
     fn = _REGISTERED.get(type(module))
-    return fn(module) if fn is not None else ()
+    if fn is not None:
+        return fn(module)
+    packed = getattr(module, "_packed_params", None)  # torch's quantized Linear kinds
+    if isinstance(packed, nn.Module) and hasattr(packed, "_weight_bias"):
+        return _torch_quantized(module)
+    return ()
 
 
 def module_tensors(model: nn.Module) -> Iterator[tuple[nn.Module, str, str, torch.Tensor]]:
@@ -96,20 +102,12 @@ def distinct(model: nn.Module) -> dict[tuple, torch.Tensor]:
 
 
 # -- quantized modules torch owns ------------------------------------------------------------
-def _int8_linear(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    """torch's dynamic int8 Linear: fbgemm keeps the int8 weight packed; unpacking gives
-    tensors of the same size (int8 weight, float bias)."""
+def _torch_quantized(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """torch's quantized Linear kinds (dynamic int8, static): fbgemm keeps the int8
+    weight packed in a script object; unpacking gives tensors of the same size (the int8
+    weight, a float bias)."""
     weight, bias = module._packed_params._weight_bias()
     return [("weight", weight), ("bias", bias)]
-
-
-def _register_torch_modules() -> None:
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
-
-    register_held(DynamicInt8Linear, _int8_linear)
-
-
-_register_torch_modules()
 
 
 # -- giving back memory-mapped pages ------------------------------------------------------

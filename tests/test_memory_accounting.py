@@ -13,7 +13,13 @@ from conftest import build_llm
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.fast_linear import fast_linear_available
-from trae_groups.engine.memory import distinct, process_memory, tensor_bytes, trim_heap
+from trae_groups.engine.memory import (
+    distinct,
+    process_memory,
+    register_held,
+    tensor_bytes,
+    trim_heap,
+)
 from trae_groups.engine.weights import WeightStore
 
 # ~67 MB of float32 weights: large enough that allocator noise is a small share of it,
@@ -69,6 +75,21 @@ def test_a_module_kind_plugs_into_the_count_through_its_hook():
     model = _Adapter()
     counted = sum(tensor_bytes(t) for t in distinct(model).values())
     assert counted == (8 * 8 + 8 + 2 * 8000) * 4
+
+
+class _Foreign(nn.Module):
+    """Stands for a class we do not own: no hook of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.zeros(100, 10)  # a plain attribute, no parameter or buffer
+
+
+def test_a_class_we_do_not_own_is_counted_through_a_registered_function():
+    model = nn.Sequential(_Foreign(), nn.Linear(10, 10, bias=False))
+    assert sum(tensor_bytes(t) for t in distinct(model).values()) == 100 * 4
+    register_held(_Foreign, lambda module: [("table", module.table)])
+    assert sum(tensor_bytes(t) for t in distinct(model).values()) == (1000 + 100) * 4
 
 
 def test_int8_weights_are_counted_at_their_size(llama_dir):
