@@ -23,8 +23,10 @@ from trae_groups.engine.protocol import GenerateRequest
 from trae_groups.engine.residency import OnDemandLLM
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.weights import estimate_bytes
+from trae_groups.graphs.errors import NodeError
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.runtime import ModelRuntime
+from trae_groups.http_errors import error_response
 from trae_groups.server import ServerConfig, ServerThread, create_app
 
 NAMES = ("a", "b", "c")
@@ -209,3 +211,11 @@ def test_model_info_lists_on_demand_models_with_their_estimate(trio, capsys):
     assert {n: r["resident"] for n, r in rows.items()} == dict.fromkeys(NAMES, "on_demand")
     assert rows["a"]["bytes"] == estimate_bytes(root / "a", torch.float32)
     assert rows["a"]["parameters"] is None  # not loaded: nothing is counted but the estimate
+
+
+def test_an_unavailable_model_answers_503_with_retry_after_on_every_route():
+    cause = ModelUnavailable("b", "still loading after 0.3 s", retry_after=3)
+    for error, openai in ((NodeError("reply", cause), False), (cause, True)):
+        response = error_response(error, openai=openai)
+        assert response.status_code == 503 and response.headers["Retry-After"] == "3"
+        assert "still loading" in json.loads(response.body)["error"]["message"]
