@@ -23,7 +23,7 @@ from trae_groups.engine.protocol import GenerateRequest
 from trae_groups.engine.residency import OnDemandLLM
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.weights import estimate_bytes
-from trae_groups.graphs.errors import NodeError
+from trae_groups.graphs.errors import GraphValidationError, NodeError
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.runtime import ModelRuntime
 from trae_groups.http_errors import error_response
@@ -219,3 +219,16 @@ def test_an_unavailable_model_answers_503_with_retry_after_on_every_route():
         response = error_response(error, openai=openai)
         assert response.status_code == 503 and response.headers["Retry-After"] == "3"
         assert "still loading" in json.loads(response.body)["error"]["message"]
+
+
+def test_resident_on_demand_on_an_encoder_is_refused_at_load_naming_file_and_model():
+    text = (
+        "name: g\nmodels:\n  intent: {source: ./x, task: classify, resident: on_demand}\n"
+        "inputs: {text: str}\nnodes:\n  i: {model: intent, input: '{{ inputs.text }}'}\n"
+        "outputs: {label: i.label}\n"
+    )
+    with pytest.raises(GraphValidationError) as error:
+        load_graph_text(text, "g.yaml")
+    assert "g.yaml:3:" in str(error.value) and "resident: on_demand is for generate models" in str(
+        error.value
+    )
