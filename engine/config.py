@@ -3,25 +3,34 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 
 from trae_groups.engine.deadlines import POLICIES
 
+DEFAULT_LOAD_WAIT_S = 60.0
+# The share of a GPU's memory the process may fill (weights, pool, everything): vLLM's
+# gpu_memory_utilization default. The rest is headroom for activations and other processes.
+DEFAULT_GPU_MEMORY_RESERVATION = 0.9
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """pool_bytes wins over pool_fraction (of the device's available memory).
+    """The pool is sized when serving starts, after the weights are loaded
+    (``pool_size``): ``pool_bytes`` if given; else, on a GPU, ``gpu_memory_reservation``
+    of the device's memory minus what is in use then (weights, the CUDA context, other
+    processes); else, on CPU, ``pool_fraction`` of the RAM still available then.
     page_bytes=None sizes pages to hold ``tokens_per_page`` tokens of the largest
     model registered at start-up; smaller models fit more tokens in a page."""
 
     device: str = "cpu"
     dtype: str = "float32"
     pool_bytes: int | None = None
-    pool_fraction: float = 0.1
+    pool_fraction: float = 0.1  # CPU: of the RAM available once the weights are loaded
+    gpu_memory_reservation: float | None = None  # GPU: None = DEFAULT_GPU_MEMORY_RESERVATION
     page_bytes: int | None = None
     tokens_per_page: int = 16
     max_num_seqs: int = 64
@@ -43,6 +52,12 @@ class EngineConfig:
     # compiled when the model is added (seconds each); other steps run eagerly
     compile: bool = False
     compile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # bytes of weights held at once: on-demand models are evicted (least recently used,
+    # idle) to stay within it; None: no limit (engine/residency.py)
+    weight_budget: int | None = None
+    # seconds a request waits for its on-demand model to become resident, then 503;
+    # None: DEFAULT_LOAD_WAIT_S
+    load_wait_s: float | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -51,6 +66,8 @@ class EngineConfig:
             raise ValueError("pool_bytes: must be > 0")
         if not 0.0 < self.pool_fraction <= 0.95:
             raise ValueError("pool_fraction: must be in (0, 0.95]")
+        if self.gpu_memory_reservation is not None and not 0.0 < self.gpu_memory_reservation <= 1:
+            raise ValueError("gpu_memory_reservation: must be in (0, 1]")
         for name in ("tokens_per_page", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
@@ -61,6 +78,10 @@ class EngineConfig:
             raise ValueError(f"scheduling: must be one of {POLICIES}, got {self.scheduling!r}")
         if not self.compile_batch_sizes or min(self.compile_batch_sizes) < 1:
             raise ValueError("compile_batch_sizes: must be a non-empty list of sizes >= 1")
+        if self.weight_budget is not None and self.weight_budget <= 0:
+            raise ValueError("weight_budget: must be > 0 (or None)")
+        if self.load_wait_s is not None and self.load_wait_s <= 0:
+            raise ValueError("load_wait_s: must be > 0")
         if self.page_bytes is not None and (self.page_bytes < 64 or self.page_bytes % 64):
             raise ValueError("page_bytes: must be a positive multiple of 64")
 
@@ -72,13 +93,52 @@ class EngineConfig:
         return max(1, self.max_num_batched_tokens // 4)
 
     @property
+    def load_wait(self) -> float:
+        return DEFAULT_LOAD_WAIT_S if self.load_wait_s is None else self.load_wait_s
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def pool_size(self) -> int:
+    @property
+    def memory_reservation(self) -> float:
+        if self.gpu_memory_reservation is None:
+            return DEFAULT_GPU_MEMORY_RESERVATION
+        return self.gpu_memory_reservation
+
+    def pool_size(self) -> tuple[int, str]:
+        """Bytes for the pool now, and where the figure comes from (for the log)."""
         if self.pool_bytes is not None:
-            return self.pool_bytes
-        return int(available_memory(self.device) * self.pool_fraction)
+            return self.pool_bytes, "pool_bytes"
+        if torch.device(self.device).type == "cuda":
+            free, total = torch.cuda.mem_get_info(torch.device(self.device))
+            size = reserved_pool_bytes(total, free, self.memory_reservation)
+            share, in_use = self.memory_reservation * 100, (total - free) / 2**30
+            return size, f"{share:g}% of {self.device} less {in_use:.1f} GiB in use"
+        return int(available_memory(self.device) * self.pool_fraction), (
+            f"{self.pool_fraction * 100:g}% of available RAM"
+        )
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes from 8388608, "512MiB", "1.5G", "64kb" (powers of 1024); ValueError else."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"not a size: {text!r} (try 512MiB or 2G)")
+    unit = match.group(2).lower()
+    scale = 1024 ** ("kmgt".index(unit) + 1) if unit else 1
+    return int(float(match.group(1)) * scale)
+
+
+def reserved_pool_bytes(total: int, free: int, reservation: float) -> int:
+    """The pool's share of a device: ``reservation`` of its memory minus what is already
+    in use by anyone (``total - free``); 0 when nothing is left."""
+    return max(0, int(total * reservation) - (total - free))
 
 
 def available_memory(device: str) -> int:

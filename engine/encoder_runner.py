@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from trae_groups.engine.errors import RequestError
+from trae_groups.engine.memory import tensor_key
 from trae_groups.engine.ner import aggregate
 from trae_groups.engine.protocol import EncodeOptions
 from trae_groups.engine.weights import LoadedModel, tensor_slots
@@ -126,8 +127,8 @@ def _backbone(loaded: LoadedModel) -> nn.Module:
     return loaded.model if loaded.task == "embed" else loaded.model.base_model
 
 
-def _ptrs(module: nn.Module) -> set[int]:
-    return {t.data_ptr() for _, _, _, t in tensor_slots(module)}
+def _ptrs(module: nn.Module) -> set[tuple]:
+    return {tensor_key(t) for _, _, _, t in tensor_slots(module)}
 
 
 class EncoderRunner:

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -18,12 +19,13 @@ import torch
 from transformers import AutoConfig
 
 from trae_groups.engine.config import EngineConfig
-from trae_groups.engine.errors import EngineStopped, ModelLoadError, RequestError
+from trae_groups.engine.errors import EngineError, EngineStopped, ModelLoadError, RequestError
 from trae_groups.engine.llm_runner import ATTN_NAME, kv_layout
 from trae_groups.engine.llm_worker import LLMWorker
 from trae_groups.engine.loop import EngineLoop
 from trae_groups.engine.memory_pool import MemoryPool
-from trae_groups.engine.protocol import EngineStats, new_request_id
+from trae_groups.engine.protocol import EngineStats, WeightStats, new_request_id
+from trae_groups.engine.residency import Residency
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.sequence import RequestOutput
 from trae_groups.engine.weights import WeightStore
@@ -57,6 +59,14 @@ def load_causal_lm(store: WeightStore, path: str, dtype: torch.dtype, device: st
     return loaded.model, loaded.tokenizer
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # what a process-wide memory profiler reads
+
+
+def live_engines() -> list[LLMEngine]:
+    """Every engine of this process still alive (``trae_groups.monitor`` samples them)."""
+    return list(_LIVE)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -78,25 +88,55 @@ class LLMEngine:
         paths = [*named.values(), *(str(p) for p in reserve_for)]
         layouts = [kv_layout(read_config(p), self.config.torch_dtype) for p in paths]
         self.pool = self._make_pool(layouts)
+        self._pool_sized = self.config.pool_bytes is not None
         self.llms: dict[str, LLMWorker] = {}
+        self.residency = Residency(
+            self.store.total_bytes, self.config.weight_budget, self.config.load_wait
+        )
         self._request_owner: dict[str, Worker] = {}
         self._lock = threading.Lock()
+        _LIVE.add(self)
         for name, path in named.items():
             self.add_llm(name, path)
-        log.info(
-            "engine: %d pages of %d bytes on %s, attention backend %s",
-            self.pool.num_pages,
-            self.pool.page_bytes,
-            self.config.device,
-            self.backend.name,
-        )
+        log.info("engine on %s, attention backend %s", self.config.device, self.backend.name)
 
     def _make_pool(self, layouts) -> MemoryPool:
+        """The pool: of its final size when ``pool_bytes`` says it; else one page until
+        ``size_pool`` runs, once the weights are loaded."""
         page_bytes = self.config.page_bytes
         if page_bytes is None:
             biggest = max((lay.bytes_per_token for lay in layouts), default=4096)
             page_bytes = -(-biggest * self.config.tokens_per_page // 64) * 64
-        return MemoryPool.from_size(self.config.pool_size(), page_bytes, self.config.device)
+        size = self.config.pool_bytes if self.config.pool_bytes is not None else page_bytes
+        return MemoryPool.from_size(size, page_bytes, self.config.device)
+
+    def size_pool(self) -> None:
+        """Give the pool its size, once, when serving starts (the weights are in memory
+        by then): ``EngineConfig.pool_size``. Logs how many KV tokens each LLM can hold."""
+        if not self._pool_sized:
+            size, source = self.config.pool_size()
+            if size < self.pool.page_bytes:
+                raise EngineError(
+                    f"no memory left for the pool ({source}: {size} bytes, less than one "
+                    f"{self.pool.page_bytes}-byte page); set pool_bytes or a larger reservation"
+                )
+            self.loop.call(lambda: self.pool.resize(size // self.pool.page_bytes))
+            self._pool_sized = True
+            log.info(
+                "pool: %d pages x %d bytes = %.1f MiB (%s)",
+                self.pool.num_pages, self.pool.page_bytes,
+                self.pool.num_pages * self.pool.page_bytes / 2**20, source,
+            )  # fmt: skip
+        for worker in self.llms.values():
+            self._log_capacity(worker)
+
+    def _log_capacity(self, worker: LLMWorker) -> None:
+        tokens = self.pool.num_pages * worker.kv.tokens_per_page
+        log.info("model %s: the pool holds %d tokens of its KV cache", worker.name, tokens)
+
+    def kv_capacity(self) -> dict[str, int]:
+        """Tokens of KV each LLM could hold if it had the whole pool."""
+        return {n: self.pool.num_pages * w.kv.tokens_per_page for n, w in self.llms.items()}
 
     # -- models --------------------------------------------------------------------
     def add_llm(
@@ -122,8 +162,9 @@ class LLMEngine:
         if self.config.fast_linear and self.config.device == "cpu":
             from trae_groups.engine.fast_linear import fast_linear_available, pack_linears
 
-            if fast_linear_available():
-                pack_linears(model)
+            if fast_linear_available() and pack_linears(model):
+                # the plain weights packing replaced: not counted, their file pages given back
+                self.store.settle(model)
         config = self.config
         if max_num_seqs is not None:
             config = dataclasses.replace(config, max_num_seqs=max_num_seqs)
@@ -142,17 +183,22 @@ class LLMEngine:
             cache_key=cache_key or (name, str(path)),
         )
         if config.compile:
+            self.size_pool()  # compiled steps see the pool's final shape
             sizes = tuple(b for b in config.compile_batch_sizes if b <= config.max_num_seqs)
             seconds = worker.runner.enable_compile(sizes or (config.max_num_seqs,))
             log.info("model %s: decode compiled for batch sizes %s in %.1f s", name, sizes, seconds)
         self.llms[name] = worker
         self.loop.add_worker(worker)
+        if self._pool_sized and self.loop.running:  # an on-demand model, a new version
+            self._log_capacity(worker)
         return worker
 
     def remove_worker(self, name: str) -> Worker:
-        """Take a model off the engine: its pending requests fail, its pages return."""
+        """Take a model off the engine: its pending requests fail, its pages return
+        (the prefix cache's too: nobody can use them any more)."""
         worker = self.loop.remove_worker(name)
         self.llms.pop(name, None)
+        self.loop.call(lambda: self.pool.clear_cache(owner=name))
         return worker
 
     def add_worker(self, worker: Worker) -> None:
@@ -170,11 +216,13 @@ class LLMEngine:
 
     # -- life cycle ------------------------------------------------------------------
     def start(self) -> LLMEngine:
+        self.size_pool()
         self.loop.start()
         return self
 
     def shutdown(self) -> None:
         self.loop.stop()
+        self.residency.close()
 
     def __enter__(self) -> LLMEngine:
         return self.start()
@@ -236,6 +284,8 @@ class LLMEngine:
         if not isinstance(params, Sequence):
             params = [params or SamplingParams()] * len(prompts)
         inline = not self.loop.running
+        if inline:
+            self.size_pool()
         results: dict[int, RequestOutput] = {}
         done = threading.Event()
 
@@ -292,6 +342,9 @@ class LLMEngine:
             busy_seconds=self.loop.busy_seconds,
             pool=self.pool.stats(),
             models={name: w.model_stats() for name, w in workers.items()},
+            weights={r.name: WeightStats.of(r) for r in self.store.report(wait=False)},
+            residency=self.residency.stats(),
+            weight_budget=self.config.weight_budget,
         )
 
     def stats(self) -> dict:

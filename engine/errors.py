@@ -39,3 +39,17 @@ class DeadlineExceeded(Exception):
 
 class EngineStopped(EngineError):
     """The engine loop is not running (never started, or shut down)."""
+
+
+class ModelUnavailable(EngineError):
+    """An on-demand model could not be made resident in time (still loading, or no
+    room in the weight budget while the others are busy): retry after a while."""
+
+    def __init__(self, model: str, message: str, retry_after: int = 1):
+        super().__init__(f"model {model!r}: {message}")
+        self.model = model
+        self.message = message
+        self.retry_after = retry_after
+
+    def __reduce__(self):
+        return type(self), (self.model, self.message, self.retry_after)

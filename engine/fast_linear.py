@@ -94,6 +94,10 @@ class PackedLinear(nn.Module):
         """Pack an existing ``nn.Linear`` (its weight is read, not modified)."""
         return cls(linear.weight, linear.bias, batch_hint)
 
+    def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The packed weight, for memory accounting (engine/memory.py): it is no buffer."""
+        return [("packed_weight", self.packed_weight)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # inductor cannot lower the mkldnn op itself
             return torch.ops.trae.packed_linear(x, self.packed_weight, self.bias, self.out_features)

@@ -43,6 +43,11 @@ class KVView:
     def __init__(self, buffer: torch.Tensor, layout: KVLayout, tokens_per_page: int):
         self.layout = layout
         self.tokens_per_page = tokens_per_page
+        self.bind(buffer)
+
+    def bind(self, buffer: torch.Tensor) -> None:
+        """View ``buffer`` (the pool's, again after a resize: holders of this view see it)."""
+        layout, tokens_per_page = self.layout, self.tokens_per_page
         num_pages = buffer.shape[0]
         used = tokens_per_page * layout.bytes_per_token
         typed = buffer[:, :used].view(layout.dtype)
@@ -107,6 +112,22 @@ class MemoryPool:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.evictions = 0
+
+    def resize(self, num_pages: int) -> None:
+        """A new buffer of ``num_pages`` (before any page is taken: sizing happens once
+        the weights are loaded); every typed view is rebound to it."""
+        if num_pages < 1:
+            raise ValueError("num_pages must be >= 1")
+        if len(self._free) != self.num_pages:
+            raise EngineError("the pool can only be resized while no page is taken")
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)  # old one freed first
+        self.buffer = torch.empty(num_pages, self.page_bytes, dtype=torch.uint8, device=self.device)
+        self.num_pages = num_pages
+        self._free = deque(range(num_pages))
+        self._refs = [0] * num_pages
+        self._owner = [None] * num_pages
+        for view in self._views.values():
+            view.bind(self.buffer)
 
     @classmethod
     def from_size(
@@ -214,13 +235,16 @@ class MemoryPool:
         if key is not None:
             del self._key_page[key]
 
-    def clear_cache(self) -> None:
-        """Drop every unreferenced cached page back to the free list."""
-        while self._evictable:
-            page, _ = self._evictable.popitem(last=False)
+    def clear_cache(self, owner: str | None = None) -> int:
+        """Drop unreferenced cached pages (only ``owner``'s, if given: a model leaving
+        the engine) back to the free list; returns how many."""
+        pages = [p for p in self._evictable if owner is None or self._owner[p] == owner]
+        for page in pages:
+            del self._evictable[page]
             self._forget_key(page)
             self._owner[page] = None
             self._free.append(page)
+        return len(pages)
 
     # -- accounting ------------------------------------------------------------
     def stats(self) -> PoolStats:

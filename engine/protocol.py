@@ -142,6 +142,36 @@ class ModelStats:
 
 
 @dataclass(frozen=True)
+class ResidencyStats:
+    """One on-demand model. ``bytes``: what it held when last loaded (its estimate
+    before the first load)."""
+
+    resident: bool
+    bytes: int
+    active: int
+    waiting: int
+    loads: int
+    evictions: int
+    load_seconds: float
+
+
+@dataclass(frozen=True)
+class WeightStats:
+    """What one loaded model's weights hold (``ModelReport`` of engine/weights.py):
+    every distinct tensor, packed and quantized ones included; ``shared_bytes`` are
+    also used by another model, ``private_bytes`` are copies only it can use."""
+
+    parameters: int
+    bytes: int
+    shared_bytes: int
+    private_bytes: int
+
+    @classmethod
+    def of(cls, report: Any) -> WeightStats:
+        return cls(report.parameters, report.bytes, report.shared_bytes, report.private_bytes)
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """One engine (one process's loop, pool and models) as metrics and autoscaling see it."""
 
@@ -152,6 +182,9 @@ class EngineStats:
     busy_seconds: float  # time the loop spent stepping: the utilisation measure
     pool: PoolStats
     models: dict[str, ModelStats] = field(default_factory=dict)
+    weights: dict[str, WeightStats] = field(default_factory=dict)  # by loaded model's name
+    residency: dict[str, ResidencyStats] = field(default_factory=dict)  # on-demand models
+    weight_budget: int | None = None
 
     @property
     def pending(self) -> int:

@@ -34,6 +34,13 @@ from safetensors import safe_open
 from torch import nn
 
 from trae_groups.engine.errors import ModelLoadError
+from trae_groups.engine.memory import (
+    distinct,
+    module_tensors,
+    release_file_pages,
+    tensor_bytes,
+    tensor_key,
+)
 
 log = logging.getLogger("trae_groups.engine")
 
@@ -111,12 +118,18 @@ class LoadedModel:
 
 @dataclass(frozen=True)
 class ModelReport:
+    """What one loaded instance holds. ``bytes`` counts every distinct tensor it uses,
+    packed and quantized ones included (``engine/memory.py``); ``shared_bytes`` of it
+    are also used by another loaded model; ``private_bytes`` are copies no other model
+    can share (pre-packed or quantized weights, an isolated policy's copies)."""
+
     name: str
     path: str
     task: str
     parameters: int
     bytes: int
     shared_bytes: int  # bytes also held by another loaded model
+    private_bytes: int  # copies only this model can use (packed, quantized, isolated)
     device: str
     dtype: str
     quantize: str | None
@@ -161,29 +174,11 @@ def full_digest(t: torch.Tensor) -> bytes:
     return hashlib.blake2b(memoryview(raw.numpy()), digest_size=32).digest()
 
 
-def _ptr_key(t: torch.Tensor) -> tuple:
-    return (str(t.device), t.data_ptr(), t.dtype, tuple(t.shape))
-
-
 def tensor_slots(model: nn.Module):
-    """Every (module, kind, name, tensor) that holds model memory, incl. quantized
-    Linear weights (packed, not parameters)."""
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None:
-                yield module, "param", name, p
-        for name, b in module._buffers.items():
-            if b is not None:
-                yield module, "buffer", name, b
-        packed = getattr(module, "_packed_params", None)
-        if packed is not None and hasattr(packed, "_weight_bias"):
-            for t in packed._weight_bias():
-                if t is not None:
-                    yield module, "packed", "", t
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    """Every (module, kind, name, tensor) that holds model memory: parameters, buffers
+    and what modules hold elsewhere ("held": packed and quantized weights; see
+    ``engine/memory.py`` for the hook a new module kind implements)."""
+    return module_tensors(model)
 
 
 class WeightStore:
@@ -197,6 +192,8 @@ class WeightStore:
         self._by_ptr: dict[tuple, _Held] = {}
         self._tokenizers: dict[str, Any] = {}
         self._isolated_count = 0
+        self._reports: list[ModelReport] | None = None  # until what is loaded changes
+        self._last_reports: list[ModelReport] = []
 
     # -- loading -----------------------------------------------------------------
     def load(
@@ -222,6 +219,7 @@ class WeightStore:
             if policy.memory == "shared" and key in self._models:
                 loaded = self._models[key]
                 loaded.loads += 1
+                self._reports = None
                 return loaded
             model, config = _read_model(path, task, dtype, device, model_kwargs)
             tokenizer = self._tokenizer(path, task)
@@ -273,7 +271,7 @@ class WeightStore:
         added: list[_Held] = []
         replaced: dict[int, torch.Tensor] = {}  # id(old) -> new, keeps tied weights tied
         for module, kind, name, t in list(tensor_slots(model)):
-            if kind == "packed":  # quantized weights are private by construction
+            if kind == "held":  # packed or quantized weights are private by construction
                 continue
             if id(t) not in replaced:
                 same = self._canonical(t, added)
@@ -287,7 +285,7 @@ class WeightStore:
         return added
 
     def _canonical(self, t: torch.Tensor, added: list[_Held]) -> torch.Tensor:
-        held = self._by_ptr.get(_ptr_key(t))
+        held = self._by_ptr.get(tensor_key(t))
         if held is not None:
             return held.tensor
         candidates = self._held.setdefault(sample_key(t), [])
@@ -298,17 +296,31 @@ class WeightStore:
                     return held.tensor
         held = _Held(t.detach())
         candidates.append(held)
-        self._by_ptr[_ptr_key(t)] = held
+        self._by_ptr[tensor_key(t)] = held
         added.append(held)
         return t
 
     def _register(self, key: tuple, model: nn.Module, added: list[_Held]) -> None:
         for _, _, _, t in tensor_slots(model):
-            held = self._by_ptr.get(_ptr_key(t))
+            held = self._by_ptr.get(tensor_key(t))
             if held is not None:
                 held.users.add(key)
+        self._reports = None
         if any(not held.users for held in added):  # e.g. Linear weights quantized away
             self._forget(None)
+
+    def settle(self, model: nn.Module) -> int:
+        """``model``'s modules were replaced in place (linears packed, say): tensors it
+        no longer uses are dropped, and so are their file pages when nobody else uses
+        them; returns the bytes given back. Its report counts what it holds now."""
+        with self._lock:
+            keys = [k for k, loaded in self._models.items() if loaded.model is model]
+            now = {tensor_key(t) for _, _, _, t in tensor_slots(model)}
+            for candidates in self._held.values():
+                for held in candidates:
+                    if tensor_key(held.tensor) not in now:
+                        held.users.difference_update(keys)
+            return self._forget(None)
 
     # -- unloading -----------------------------------------------------------------
     def unload(self, folder: str | Path) -> int:
@@ -323,8 +335,26 @@ class WeightStore:
             self._tokenizers.pop(path, None)
             return len(keys)
 
-    def _forget(self, key: tuple | None) -> None:
-        """Drop ``key`` from every held tensor, then every tensor nobody uses."""
+    def unload_model(self, loaded: LoadedModel) -> bool:
+        """One ``load()`` of this instance is over; when it was the last, the instance
+        and every tensor nobody else uses are dropped (True)."""
+        with self._lock:
+            key = next((k for k, m in self._models.items() if m is loaded), None)
+            if key is None:
+                return False
+            loaded.loads -= 1
+            self._reports = None
+            if loaded.loads > 0:
+                return False
+            del self._models[key]
+            self._forget(key)
+            return True
+
+    def _forget(self, key: tuple | None) -> int:
+        """Drop ``key`` from every held tensor, then every tensor nobody uses (and the
+        file pages under it); returns the bytes of pages given back."""
+        self._reports = None
+        dropped: list[torch.Tensor] = []
         for skey, candidates in list(self._held.items()):
             kept = []
             for held in candidates:
@@ -332,38 +362,54 @@ class WeightStore:
                 if held.users:
                     kept.append(held)
                 else:
-                    self._by_ptr.pop(_ptr_key(held.tensor), None)
+                    self._by_ptr.pop(tensor_key(held.tensor), None)
+                    dropped.append(held.tensor)
             if kept:
                 self._held[skey] = kept
             else:
                 del self._held[skey]
+        if not dropped:
+            return 0
+        live = [t for loaded in self._models.values() for t in distinct(loaded.model).values()]
+        return release_file_pages(dropped, live)
 
     # -- reporting -------------------------------------------------------------------
     def models(self) -> list[LoadedModel]:
         with self._lock:
             return list(self._models.values())
 
-    def report(self) -> list[ModelReport]:
-        with self._lock:
-            return [self._report(key, m) for key, m in self._models.items()]
+    def report(self, wait: bool = True) -> list[ModelReport]:
+        """One row per loaded instance; computed once per change of what is loaded.
+        ``wait=False`` (metrics): while a load holds the store, the last rows computed."""
+        if not self._lock.acquire(blocking=wait):
+            return list(self._last_reports)
+        try:
+            if self._reports is None:
+                self._reports = [self._report(key, m) for key, m in self._models.items()]
+                self._last_reports = self._reports
+            return list(self._reports)
+        finally:
+            self._lock.release()
 
     def _report(self, key: tuple, loaded: LoadedModel) -> ModelReport:
-        seen: dict[tuple, torch.Tensor] = {}
-        for _, _, _, t in tensor_slots(loaded.model):
-            seen.setdefault((_ptr_key(t), _nbytes(t)), t)
-        total = shared = 0
-        for (pkey, nbytes), _t in seen.items():
+        tensors = distinct(loaded.model)
+        total = shared = private = 0
+        for tkey, t in tensors.items():
+            nbytes = tensor_bytes(t)
             total += nbytes
-            held = self._by_ptr.get(pkey)
-            if held is not None and len(held.users - {key}) > 0:
+            held = self._by_ptr.get(tkey)
+            if held is None:
+                private += nbytes
+            elif len(held.users - {key}) > 0:
                 shared += nbytes
         return ModelReport(
             name=loaded.name,
             path=loaded.path,
             task=loaded.task,
-            parameters=sum(t.numel() for t in seen.values()),
+            parameters=sum(t.numel() for t in tensors.values()),
             bytes=total,
             shared_bytes=shared,
+            private_bytes=private,
             device=str(loaded.device),
             dtype=str(loaded.dtype).removeprefix("torch."),
             quantize=loaded.quantize,
@@ -377,9 +423,29 @@ class WeightStore:
         with self._lock:
             seen: dict[tuple, int] = {}
             for loaded in self._models.values():
-                for _, _, _, t in tensor_slots(loaded.model):
-                    seen[(_ptr_key(t))] = _nbytes(t)
+                for tkey, t in distinct(loaded.model).items():
+                    seen[tkey] = tensor_bytes(t)
             return sum(seen.values())
+
+
+def estimate_bytes(folder: str | Path, dtype: torch.dtype) -> int:
+    """What a model folder's weights will hold in ``dtype``, from the file headers (no
+    tensor is read): floating tensors convert to ``dtype``, others keep their size."""
+    path = Path(folder).expanduser().resolve()
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for file in _weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                part = f.get_slice(key)
+                numel = math.prod(part.get_shape())
+                dtype_name = part.get_dtype()
+                size = itemsize if dtype_name.startswith(("F", "BF")) else _SIZES.get(dtype_name, 4)
+                total += numel * size
+    return total
+
+
+_SIZES = {"I8": 1, "U8": 1, "BOOL": 1, "I16": 2, "I32": 4, "I64": 8}
 
 
 # -- tasks -------------------------------------------------------------------------
@@ -587,6 +653,8 @@ def _privatize(model: nn.Module) -> None:
     """Isolated policy: every tensor becomes a private copy (tied ones stay tied)."""
     copies: dict[int, torch.Tensor] = {}
     for module, kind, name, t in list(tensor_slots(model)):
+        if kind == "held":  # packed or quantized: already this model's own
+            continue
         if id(t) not in copies:
             clone = t.detach().clone()
             copies[id(t)] = nn.Parameter(clone, requires_grad=False) if kind == "param" else clone

@@ -26,10 +26,14 @@ from trae_groups.engine.encoder_worker import EncoderWorker
 from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.errors import ModelLoadError
 from trae_groups.engine.llm_runner import ATTN_NAME
+from trae_groups.engine.memory import trim_heap
 from trae_groups.engine.protocol import EngineStats
-from trae_groups.engine.weights import SharingPolicy, WeightStore
+from trae_groups.engine.residency import Loaded as Resident
+from trae_groups.engine.residency import OnDemandLLM
+from trae_groups.engine.weights import SharingPolicy, WeightStore, estimate_bytes
 from trae_groups.graphs.compile import CompiledGraph, compile_graph, resolve_functions
 from trae_groups.graphs.executor import GraphExecutor
+from trae_groups.graphs.resources import apply as apply_resources
 from trae_groups.graphs.routing import RouteError, VersionedModel, check_split
 from trae_groups.graphs.spec import GraphSpec, ModelSpec
 
@@ -38,8 +42,8 @@ log = logging.getLogger("trae_groups.graphs")
 
 @dataclasses.dataclass
 class _Loaded:
-    client: LocalEncoder | LocalLLM
-    worker: Any
+    client: LocalEncoder | LocalLLM | OnDemandLLM
+    worker: Any  # None for an on-demand model (the engine's residency holds it)
     path: str
     users: int = 1
 
@@ -60,6 +64,9 @@ class ModelRuntime:
         self._by_key: dict[tuple, _Loaded] = {}
         self.graphs: dict[str, GraphExecutor] = {}
         self._bar: tqdm | None = None  # the model-load progress bar while bind() runs
+        # the weight budget cannot hold every model at once: generate models that do not
+        # say `resident: always` are resident on demand
+        self.under_pressure = False
 
     @classmethod
     def for_specs(cls, specs: list[GraphSpec], config: EngineConfig | None = None) -> ModelRuntime:
@@ -72,10 +79,30 @@ class ModelRuntime:
         ]
         sharing = specs[0].sharing if specs else None
         policy = SharingPolicy(memory=sharing.memory, gpu=sharing.gpu) if sharing else None
-        return cls(config, reserve_for=llms, sharing=policy)
+        config = apply_resources(config or EngineConfig(), [spec.resources for spec in specs])
+        runtime = cls(config, reserve_for=llms, sharing=policy)
+        runtime.under_pressure = _over_budget(specs, config)
+        return runtime
 
     def start(self) -> None:
+        self._check_budget()
         self.engine.start()
+
+    def _check_budget(self) -> None:
+        """Refuse to start when an on-demand model could never fit next to the models
+        that are always resident."""
+        budget = self.config.weight_budget
+        if budget is None:
+            return
+        held = self.store.total_bytes()
+        for name, stats in self.engine.residency.stats().items():
+            if not stats.resident and held + stats.bytes > budget:
+                raise ModelLoadError(
+                    name,
+                    f"weight_budget is {budget / 2**20:.0f} MiB; the always-resident models "
+                    f"hold {held / 2**20:.0f} MiB, this on-demand model needs about "
+                    f"{stats.bytes / 2**20:.0f} MiB more",
+                )
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -100,7 +127,7 @@ class ModelRuntime:
 
     def load_models(
         self, spec: GraphSpec, names: Iterable[str] | None = None
-    ) -> dict[tuple[str, str], LocalEncoder | LocalLLM]:
+    ) -> dict[tuple[str, str], LocalEncoder | LocalLLM | OnDemandLLM]:
         """The clients of a graph's models (``names``, default all) and their versions,
         keyed by (model, version); each model is loaded once onto this runtime (an
         engine replica of a Ray group loads its group's share this way)."""
@@ -175,7 +202,7 @@ class ModelRuntime:
         per-request limits an LLM enforces (its weights are shared all the same)."""
         dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
         limits = (spec.max_prompt_tokens, spec.max_tokens_limit)
-        return (str(Path(path).resolve()), spec.task, dtype, *limits)
+        return (str(Path(path).resolve()), spec.task, dtype, spec.resident, *limits)
 
     def _load(self, path: Path, task: str, name: str, **kwargs: Any):
         """One model through the weight store, with a log line (and a tick of the load
@@ -195,8 +222,7 @@ class ModelRuntime:
 
     def _acquire(
         self, name: str, version: str, spec: ModelSpec, path: Path
-    ) -> LocalEncoder | LocalLLM:
-        dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
+    ) -> LocalEncoder | LocalLLM | OnDemandLLM:
         key = self._key(spec, path)
         if key in self._by_key:
             self._by_key[key].users += 1
@@ -204,16 +230,42 @@ class ModelRuntime:
         if spec.task != "generate":
             return self._load_encoders([(name, version, spec, path)])[(name, version)]
         worker_name = self._free_name(name if version == "default" else f"{name}@{version}")
-        loaded = self._load(path, "generate", worker_name, dtype=dtype,
-                            attn_implementation=ATTN_NAME)  # fmt: skip
+        if spec.resident == "on_demand" or (spec.resident is None and self.under_pressure):
+            client = self._on_demand(worker_name, spec, path)
+            self._by_key[key] = _Loaded(client, None, str(path))
+            return client
+        client, _ = self._load_llm(worker_name, spec, path)
+        self._by_key[key] = _Loaded(client, client.worker, str(path))
+        return client
+
+    def _load_llm(self, name: str, spec: ModelSpec, path: Path) -> tuple[LocalLLM, Any]:
+        """A causal LM loaded and put on the engine: its client and its store entry."""
+        dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
+        loaded = self._load(path, "generate", name, dtype=dtype, attn_implementation=ATTN_NAME)
         worker = self.engine.add_llm(
-            worker_name, path, model=loaded.model, tokenizer=loaded.tokenizer,
+            name, path, model=loaded.model, tokenizer=loaded.tokenizer,
             max_num_seqs=spec.max_batch_size, max_prompt_tokens=spec.max_prompt_tokens,
             max_tokens_limit=spec.max_tokens_limit,
         )  # fmt: skip
-        client = LocalLLM(worker, lambda: self.engine.loop.running)
-        self._by_key[key] = _Loaded(client, worker, str(path))
-        return client
+        return LocalLLM(worker, lambda: self.engine.loop.running), loaded
+
+    def _on_demand(self, name: str, spec: ModelSpec, path: Path) -> OnDemandLLM:
+        """Registered with the engine's residency, loaded at its first request."""
+
+        def load() -> Resident:
+            client, loaded = self._load_llm(name, spec, path)
+
+            def unload() -> None:
+                self.engine.remove_worker(name)  # between two steps; its cached pages return
+                self.store.unload_model(loaded)
+                gc.collect()  # the model's own reference cycles
+                trim_heap()
+
+            return Resident(client, unload)
+
+        dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
+        self.engine.residency.add(name, load, estimate_bytes(path, dtype))
+        return OnDemandLLM(self.engine.residency, name)
 
     def _load_encoders(self, wanted: list) -> dict[tuple[str, str], LocalEncoder]:
         """Load encoders new to this runtime, one worker per backbone: heads whose
@@ -263,13 +315,16 @@ class ModelRuntime:
                 entry.users -= 1
                 if entry.users == 0:
                     del self._by_key[key]
+                    if entry.worker is None:  # on demand: evicted if resident, forgotten
+                        self.engine.residency.remove(client.name)
+                        return
                     if not any(e.worker is entry.worker for e in self._by_key.values()):
                         self.engine.remove_worker(entry.worker.name)
                     self.store.unload(entry.path)
                 return
 
     def _free_name(self, name: str) -> str:
-        taken = set(self.engine.loop.workers)
+        taken = set(self.engine.loop.workers) | set(self.engine.residency.stats())
         if name not in taken:
             return name
         n = 2
@@ -284,6 +339,32 @@ class ModelRuntime:
     def replica_stats(self) -> dict[str, EngineStats]:
         """Stats by engine replica: one process is one replica, "local"."""
         return {"local": self.stats()}
+
+
+def _over_budget(specs: list[GraphSpec], config: EngineConfig) -> bool:
+    """Whether every model of the graphs, each folder once, would overflow the weight
+    budget (estimated from the files' headers; nothing is loaded)."""
+    if config.weight_budget is None:
+        return False
+    wanted = {
+        (str(spec.model_path(name, version).resolve()),
+         DTYPES.get(model.dtype or "", config.torch_dtype))
+        for spec in specs
+        for name, model in spec.models.items()
+        for version in model.sources
+    }  # fmt: skip
+    try:
+        total = sum(estimate_bytes(path, dtype) for path, dtype in wanted)
+    except (ModelLoadError, OSError):
+        return False  # a missing folder fails at load, with its own message
+    if total > config.weight_budget:
+        log.info(
+            "weight_budget %.0f MiB cannot hold every model (%.0f MiB): generate models "
+            "are resident on demand unless they say resident: always",
+            config.weight_budget / 2**20, total / 2**20,
+        )  # fmt: skip
+        return True
+    return False
 
 
 def _batcher(spec: ModelSpec) -> BatcherConfig:

@@ -45,6 +45,7 @@ from trae_groups.graphs.nodes import (
     RerankNode,
     TagNode,
 )
+from trae_groups.graphs.resources import ResourcesSpec
 from trae_groups.graphs.types import (
     InputName,
     NodeName,
@@ -86,6 +87,11 @@ class ModelSpec(Spec):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
     max_prompt_tokens: int | None = Field(None, gt=0)  # generate models: longer prompts refused
     max_tokens_limit: int | None = Field(None, gt=0)  # generate models: the most one request asks
+    # "on_demand": loaded at its first request, evicted when idle and the weight budget
+    # needs room (generate models; engine/residency.py); "always": never evicted; unset:
+    # always, unless the weight budget cannot hold every model of the graphs at once,
+    # then on demand (generate models)
+    resident: Literal["always", "on_demand"] | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -108,6 +114,8 @@ class ModelSpec(Spec):
         limits = [f for f in ("max_prompt_tokens", "max_tokens_limit") if getattr(self, f)]
         if limits and self.task != "generate":
             raise ValueError(f"{limits[0]} is for generate models, not {self.task}")
+        if self.resident == "on_demand" and self.task != "generate":
+            raise ValueError(f"resident: on_demand is for generate models, not {self.task}")
         return self
 
     @property
@@ -233,6 +241,7 @@ class GraphSpec(Spec):
     nodes: dict[NodeName, NodeSpec] = {}
     outputs: dict[Annotated[str, Field(min_length=1)], Reference] = {}
     deploy: DeploySpec = DeploySpec()
+    resources: ResourcesSpec = ResourcesSpec()
 
     _source: SourceMap | None = PrivateAttr(None)
 

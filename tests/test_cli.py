@@ -214,6 +214,9 @@ def test_model_info_reports_each_model(root, capsys):
     assert models["intent"]["parameters"] > 0
     assert models["dialog"]["used_by"] == ["support/reply"]
     assert report["held_bytes"] == sum(m["bytes"] for m in models.values())
+    # the LLM's linears are pre-packed private copies: counted, not only its embeddings
+    dialog = models["dialog"]
+    assert dialog["private_bytes"] > dialog["bytes"] / 2 and dialog["resident"] == "always"
 
 
 def test_bench_in_process_prints_throughput_and_percentiles(root, capsys):
@@ -308,15 +311,27 @@ def test_serve_health_bench_and_sigterm_drains_in_flight_requests(root, tmp_path
             server.wait(30)
 
 
-def test_serve_no_access_log_leaves_requests_out_of_the_log(root):
-    server, url = start_serve(root, "support.yaml", "--no-access-log")
+def test_serve_no_access_log_leaves_requests_out_of_the_log(root, tmp_path):
+    """Also: --memory-profile writes the timeline (test_monitor draws one) and
+    --weight-budget reaches the engine."""
+    profile = tmp_path / "mem.jsonl"
+    server, url = start_serve(
+        root, "support.yaml", "--no-access-log", "--memory-profile", str(profile),
+        "--memory-interval", "0.2", "--weight-budget", "1GiB",
+    )  # fmt: skip
     try:
         answer = httpx.post(f"{url}/v1/graphs/support", json={"inputs": {"text": "hi"}}, timeout=60)
         assert answer.status_code == 200
+        metrics = httpx.get(f"{url}/metrics", timeout=60).text
+        assert 'trae_weight_budget_bytes{replica="local"} 1.073741824e+09' in metrics
         server.send_signal(signal.SIGTERM)
         assert server.wait(120) == 0
         log = server.stdout.read()
         assert "ready:" in log and "POST /v1/graphs" not in log
+        assert "model dialog: the pool holds" in log  # its KV capacity, at start-up
+        samples = [json.loads(line) for line in profile.read_text().splitlines()]
+        assert len(samples) >= 2 and set(samples[-1]["weights"]) == {"intent", "dialog"}
+        assert samples[-1]["pools"][0]["pages"] * samples[-1]["pools"][0]["page_bytes"] == 16 << 20
     finally:
         if server.poll() is None:
             server.kill()

@@ -91,6 +91,7 @@ def test_sharing_policy_python_nodes_and_options():
     group = ModelGroup("g")
     group.add_model("emb", path="emb", task="embed")
     group.set_sharing_policy(memory="shared", gpu="dedicated")
+    group.set_resources(weight_budget="1GiB", load_wait_s=5)
     query = group.input("query", str)
     group.input("k", int, default=4)
     vector = group.embed("vector", model="emb", input=query)
@@ -102,6 +103,7 @@ def test_sharing_policy_python_nodes_and_options():
     group.output("docs", docs)
     spec = group.spec()
     assert spec.sharing.gpu == "dedicated"
+    assert (spec.resources.weight_budget, spec.resources.load_wait_s) == (1 << 30, 5)
     assert spec.inputs["k"].default == 4 and spec.inputs["k"].optional
     assert spec.nodes["docs"].function == "json:dumps"
     assert spec.nodes["docs"].args == {"obj": "{{ vector.embedding }}", "indent": 2}

@@ -73,6 +73,10 @@ class ServerConfig:
     body_timeout_s: float = 30.0  # its body, from its headers
     keep_alive_s: float = 5.0  # an idle connection between requests
     max_connections: int | None = 1024  # open connections (and requests) at once
+    # a MemoryProfiler timeline (trae_groups/monitor.py) written here, one JSON line per
+    # sample every memory_profile_interval_s, from before the models load to shutdown
+    memory_profile: str | None = None
+    memory_profile_interval_s: float = 1.0
 
     def __post_init__(self):
         limits = [self.max_inflight, *self.graph_limits.values()]
@@ -88,6 +92,8 @@ class ServerConfig:
             raise ValueError("header_timeout_s, body_timeout_s and keep_alive_s: must be > 0")
         if self.max_connections is not None and self.max_connections < 1:
             raise ValueError("max_connections: must be >= 1 (or None for no cap)")
+        if self.memory_profile_interval_s <= 0:
+            raise ValueError("memory_profile_interval_s: must be > 0")
 
     def limit_for(self, graph: str) -> int:
         return self.graph_limits.get(graph, self.max_inflight)
@@ -217,6 +223,15 @@ class AppState:
             lambda: {g.name: g.nodes for g in self.graphs.values()},
             lambda: self.ready and not self.draining,
         )
+        self.profiler = None
+        if config.memory_profile:
+            from trae_groups.monitor import MemoryProfiler
+
+            self.profiler = MemoryProfiler(
+                config.memory_profile_interval_s,
+                config.memory_profile,
+                stats=lambda: self.runtime.replica_stats().values() if self.runtime else (),
+            ).start()
 
     # -- models --------------------------------------------------------------------
     def load(self) -> None:
@@ -250,6 +265,8 @@ class AppState:
         self.ready = True
 
     def close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
         if self.runtime is not None:
             self.runtime.shutdown()
         if self.config.freeze_gc:

@@ -8,6 +8,7 @@
     trae model info GRAPH.yaml... [--detail] [--json]
     trae model route GRAPH MODEL [--split "v1:90%,v2:10%"] [--url URL] [--token T]
     trae health [--url URL]
+    trae profile plot FILE [-o mem.png]    a memory profile (serve --memory-profile) as a chart
     trae bench GRAPH.yaml --clients N --requests M [--url URL] [--input JSON]
 
 Commands that only read graphs (validate, show, health) import no model code, so
@@ -31,17 +32,15 @@ from typing import Any
 
 log = logging.getLogger("trae_groups.cli")
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-
 
 def parse_size(text: str) -> int:
     """Bytes from "8388608", "512MiB", "1.5G", "64kb" (powers of 1024)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2G)")
-    unit = match.group(2).lower()
-    scale = 1024 ** ("kmgt".index(unit) + 1) if unit else 1
-    return int(float(match.group(1)) * scale)
+    from trae_groups.engine.config import parse_size as bytes_of
+
+    try:
+        return bytes_of(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _json_arg(text: str) -> Any:
@@ -68,6 +67,16 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cpu)")
     group.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     group.add_argument("--attention-backend", default=None, help="torch, triton, flash_attn")
+    group.add_argument(
+        "--gpu-memory-reservation", type=float, default=None, metavar="SHARE",
+        help="on a GPU, the share of its memory to fill; the pool takes it less what is in "
+        "use once the weights are loaded (default: the graph's resources:, else 0.9)",
+    )  # fmt: skip
+    group.add_argument(
+        "--weight-budget", type=parse_size, default=None,
+        help="weights held at once, e.g. 2GiB: on-demand models are evicted to fit "
+        "(default: the graph's resources:, else no limit)",
+    )  # fmt: skip
 
 
 def _function_options(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +98,8 @@ def _engine_config(args: argparse.Namespace):
         "device": args.device,
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
+        "weight_budget": args.weight_budget,
+        "gpu_memory_reservation": args.gpu_memory_reservation,
     }
     return dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
 
@@ -101,14 +112,6 @@ def _load_runtime(paths: Sequence[str], config) -> tuple[Any, list[Any]]:
     specs = [load_graph(p) for p in paths]
     runtime = ModelRuntime.for_specs(specs, config)
     executors = [runtime.bind(spec) for spec in specs]
-    stats = runtime.stats()
-    log.info(
-        "engine on device %s, attention backend %s, pool %d pages x %d bytes",
-        stats.device,
-        stats.attention_backend,
-        stats.pool.num_pages,
-        stats.pool.page_bytes,
-    )
     return runtime, executors
 
 
@@ -258,10 +261,13 @@ def _print_error(body: dict) -> None:
 
 
 def cmd_model_info(args: argparse.Namespace) -> int:
+    """What each model holds: every weight byte (packed and quantized copies too), how
+    much of it is shared with another model and how much is a private copy."""
     config = dataclasses.replace(_engine_config(args), pool_bytes=args.pool_bytes or 4 << 20)
     runtime, executors = _load_runtime(args.graphs, config)
     try:
         reports = runtime.store.report()
+        on_demand = runtime.stats().residency
         users = _model_users(executors)
     finally:
         runtime.shutdown()
@@ -273,12 +279,21 @@ def cmd_model_info(args: argparse.Namespace) -> int:
             "parameters": r.parameters,
             "bytes": r.bytes,
             "shared_bytes": r.shared_bytes,
+            "private_bytes": r.private_bytes,
             "device": r.device,
             "dtype": r.dtype,
+            "resident": "always",
         }
         if args.detail:
             row.update(path=r.path, quantize=r.quantize, memory=r.memory, gpu=r.gpu, loads=r.loads)
             row["used_by"] = users.get(r.name, [])
+        rows.append(row)
+    for name, stats in on_demand.items():  # not loaded: what its files say it will hold
+        row = {"name": name, "task": "generate", "parameters": None, "bytes": stats.bytes,
+               "shared_bytes": 0, "private_bytes": 0, "device": config.device,
+               "dtype": config.dtype, "resident": "on_demand"}  # fmt: skip
+        if args.detail:
+            row["used_by"] = users.get(name, [])
         rows.append(row)
     held = runtime.store.total_bytes()
     if args.json:
@@ -287,6 +302,8 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     _print_table(rows)
     naive = sum(r.bytes for r in reports)
     print(f"held once: {_mib(held)} (without sharing: {_mib(naive)})")
+    if on_demand:
+        print("on-demand models load at their first request: bytes are estimates from files")
     return 0
 
 
@@ -323,6 +340,8 @@ def _cell(key: str, value: Any) -> str:
         return _mib(value)
     if isinstance(value, list):
         return ",".join(value) or "-"
+    if value is None:
+        return "-"
     return str(value)
 
 
@@ -433,6 +452,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             keep_alive_s=args.keep_alive,
             max_connections=args.max_connections or None,
             openai_timeout_s=args.openai_timeout,
+            memory_profile=args.memory_profile,
+            memory_profile_interval_s=args.memory_interval,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -450,6 +471,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run(args.graphs, address=args.ray or None, host=args.host, port=args.port,
                    engine=config.engine, server=config)  # fmt: skip
     return serve(args.graphs, config)
+
+
+def cmd_profile_plot(args: argparse.Namespace) -> int:
+    from trae_groups.monitor import plot_profile
+
+    try:
+        out = plot_profile(args.profile, args.output)
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -538,6 +571,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(by default they are frozen out of them: 100-300 ms pauses otherwise)",
     )
     serve.add_argument(
+        "--memory-profile", metavar="FILE", default=None,
+        help="sample memory (process, device, pool pages by owner, weights per model) into "
+        "FILE, one JSON line per sample; draw it with `trae profile plot FILE -o mem.png`",
+    )  # fmt: skip
+    serve.add_argument(
+        "--memory-interval", type=float, default=1.0, help="seconds between memory samples"
+    )
+    serve.add_argument(
         "--ray",
         nargs="?",
         const="",
@@ -621,6 +662,13 @@ def build_parser() -> argparse.ArgumentParser:
     admin_options(unload)
     unload.add_argument("--version", required=True)
     unload.set_defaults(run=cmd_model_unload)
+
+    profile = sub.add_parser("profile", help="memory profiles (trae serve --memory-profile)")
+    profile_sub = profile.add_subparsers(dest="profile_command", required=True)
+    plot = profile_sub.add_parser("plot", help="draw a memory profile as a stacked area chart")
+    plot.add_argument("profile", metavar="FILE")
+    plot.add_argument("--output", "-o", default="mem.png", help="the PNG to write")
+    plot.set_defaults(run=cmd_profile_plot)
 
     health = sub.add_parser("health", help="is a server alive and ready? (exit 0 if ready)")
     health.add_argument("--url", default="http://127.0.0.1:8000")

@@ -103,6 +103,12 @@ class ModelGroup:
         self._data["sharing"] = {"memory": memory, "gpu": gpu}
         self._mark(("sharing",))
 
+    def set_resources(self, **settings: Any) -> None:
+        """The graph's ``resources:`` (weight_budget, load_wait_s, pool_bytes,
+        gpu_memory_reservation): the engine's memory; see docs/memory.md."""
+        self._data["resources"] = settings
+        self._mark(("resources",))
+
     def input(
         self,
         name: str,

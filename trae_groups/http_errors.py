@@ -20,9 +20,9 @@ status themselves.
 | 429 | the graph already has ``max_inflight`` requests (``Retry-After``) |
 | 431 | a request's headers are larger than 64 KiB (http_protocol) |
 | 500 | a node failed (``node``), or a server bug (no details leak) |
-| 503 | models still loading, or the server is shutting down (``Retry-After``); a
-        request that cannot make its deadline (``DeadlineUnreachable``: ``reason``,
-        ``Retry-After``) |
+| 503 | models still loading, an on-demand model not resident in time, or the server is
+        shutting down (``Retry-After``); a request that cannot make its deadline
+        (``DeadlineUnreachable``: ``reason``, ``Retry-After``) |
 | 504 | the graph's or a node's timeout ran out (``node`` when a node's), or the
         request's deadline passed and its work was dropped |
 """
@@ -38,7 +38,13 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
 from trae_groups.admission import Refusal
-from trae_groups.engine.errors import DeadlineExceeded, EngineStopped, ModelLoadError, RequestError
+from trae_groups.engine.errors import (
+    DeadlineExceeded,
+    EngineStopped,
+    ModelLoadError,
+    ModelUnavailable,
+    RequestError,
+)
 from trae_groups.graphs.errors import GraphError, GraphTimeout, GraphValidationError, NodeError
 from trae_groups.graphs.executor import InputError
 from trae_groups.graphs.routing import RouteError
@@ -153,16 +159,19 @@ def status_of(exc: BaseException) -> int:
     if isinstance(exc, NodeError):
         if isinstance(exc.cause, RequestError):
             return 422  # the request made the node render something its model refuses
-        if isinstance(exc.cause, EngineStopped):
+        if isinstance(exc.cause, EngineStopped | ModelUnavailable):
             return 503
         return 500
-    if isinstance(exc, EngineStopped):
+    if isinstance(exc, EngineStopped | ModelUnavailable):
         return 503
     return 500
 
 
 #: Errors whose class name and message are safe to show as they are.
-_NAMED = (GraphError, RequestError, EngineStopped, ModelLoadError, RouteError, DeadlineExceeded)
+_NAMED = (
+    GraphError, RequestError, EngineStopped, ModelLoadError, ModelUnavailable, RouteError,
+    DeadlineExceeded,
+)  # fmt: skip
 
 
 def error_body(exc: BaseException, *, openai: bool = False) -> dict:
@@ -222,6 +231,9 @@ def error_response(exc: BaseException, *, openai: bool = False) -> JSONResponse:
     headers = dict(getattr(exc, "headers", None) or {})
     if status == 401:
         headers.setdefault("WWW-Authenticate", "Bearer")
+    unavailable = getattr(exc, "cause", exc)
+    if isinstance(unavailable, ModelUnavailable):  # about as long as its last load took
+        headers.setdefault("Retry-After", str(unavailable.retry_after))
     if status == 503:  # not ready, draining, or an engine replica lost: try again soon
         headers.setdefault("Retry-After", "1")
     return JSONResponse(error_body(exc, openai=openai), status_code=status, headers=headers)

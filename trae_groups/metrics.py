@@ -241,6 +241,7 @@ class EngineCollector(Collector):
         ready = GaugeMetricFamily("trae_ready", "1 when every model is loaded and serving")
         ready.add_metric([], 1.0 if self._ready() else 0.0)
         yield ready
+        yield from _process_metrics()
         yield from self._node_info()
         merged: dict[str, Metric] = {}
         with self._lock:
@@ -249,6 +250,7 @@ class EngineCollector(Collector):
                     self._engine(replica, stats),
                     self._pool(stats.pool, stats.models),
                     self._workers(replica, stats.models),
+                    _memory_metrics(stats),
                 )
                 for family in families:  # every engine series carries its replica
                     into = merged.setdefault(
@@ -422,6 +424,69 @@ def _encoder_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
         buckets, summed = _histogram_from_sizes(m.batch_sizes)
         sizes.add_metric([model], buckets, summed)
     yield from (queue, batches, items, drops, padding, sizes)
+
+
+def _process_metrics() -> Iterable[Metric]:
+    """This process's memory as the MemoryProfiler samples it (trae_groups/monitor.py)."""
+    from trae_groups.monitor import device_memory, process_memory
+
+    process = GaugeMetricFamily(
+        "trae_process_memory_bytes",
+        "Resident memory of this process: rss, pss, anon (heap, private copies), file "
+        "(mapped weight files)",
+        labels=["kind"],
+    )
+    for kind, value in process_memory().items():
+        process.add_metric([kind], float(value))
+    yield process
+    device = GaugeMetricFamily(
+        "trae_device_memory_bytes",
+        "CUDA memory: allocated by tensors, reserved by torch, used (all processes), total",
+        labels=["kind"],
+    )
+    for kind, value in device_memory().items():
+        device.add_metric([kind], float(value))
+    yield device
+
+
+def _memory_metrics(stats: EngineStats) -> Iterable[Metric]:
+    """Weights each model holds (packed and quantized included) and on-demand residency."""
+    held = GaugeMetricFamily(
+        "trae_model_weight_bytes",
+        "Bytes of weights a loaded model holds: total, shared (also used by another "
+        "model) and private (copies only it can use: packed, quantized)",
+        labels=["model", "kind"],
+    )
+    params = GaugeMetricFamily(
+        "trae_model_parameters", "Weight elements a loaded model holds", labels=["model"]
+    )
+    for model, w in sorted(stats.weights.items()):
+        for kind, value in (("total", w.bytes), ("shared", w.shared_bytes),
+                            ("private", w.private_bytes)):  # fmt: skip
+            held.add_metric([model, kind], float(value))
+        params.add_metric([model], float(w.parameters))
+    yield held
+    yield params
+    if stats.weight_budget is not None:
+        yield _gauge("trae_weight_budget_bytes", "Weight bytes held at most", stats.weight_budget)
+    resident = GaugeMetricFamily(
+        "trae_model_resident", "1 while an on-demand model is loaded", labels=["model"]
+    )
+    waiting = GaugeMetricFamily(
+        "trae_model_load_waiting_requests",
+        "Requests waiting for an on-demand model to load",
+        labels=["model"],
+    )
+    loads = CounterMetricFamily("trae_model_loads", "On-demand model loads", labels=["model"])
+    evictions = CounterMetricFamily(
+        "trae_model_evictions", "On-demand models evicted for room", labels=["model"]
+    )
+    for model, r in sorted(stats.residency.items()):
+        resident.add_metric([model], 1.0 if r.resident else 0.0)
+        waiting.add_metric([model], float(r.waiting))
+        loads.add_metric([model], float(r.loads))
+        evictions.add_metric([model], float(r.evictions))
+    yield from (resident, waiting, loads, evictions)
 
 
 def _model_of(owner: str) -> str:

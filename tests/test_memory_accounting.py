@@ -1,0 +1,106 @@
+"""Every byte a model holds is counted where it is reported: packed and quantized
+weights included, checked against what the process's resident memory really grew by."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import build_llm
+from trae_groups.engine.config import EngineConfig
+from trae_groups.engine.engine import LLMEngine
+from trae_groups.engine.fast_linear import fast_linear_available
+from trae_groups.engine.memory import (
+    distinct,
+    process_memory,
+    register_held,
+    tensor_bytes,
+    trim_heap,
+)
+from trae_groups.engine.weights import WeightStore
+
+# ~67 MB of float32 weights: large enough that allocator noise is a small share of it,
+# small enough to build and load in about a second.
+BIG = dict(
+    hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=64, vocab_size=8000, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def resident() -> int:
+    gc.collect()
+    trim_heap()
+    return process_memory()["rss"]
+
+
+@pytest.fixture(scope="module")
+def big_dir(tmp_path_factory):
+    return build_llm(tmp_path_factory.mktemp("big") / "llm", **BIG)
+
+
+@pytest.mark.skipif(not fast_linear_available(), reason="oneDNN packing is unavailable")
+def test_reported_bytes_match_resident_growth_on_load(big_dir, llama_dir):
+    engine = LLMEngine(config=EngineConfig(pool_bytes=1 << 20))
+    engine.add_llm("warm", llama_dir)  # the first load imports and caches code: not weights
+    before = resident()
+    engine.add_llm("big", big_dir)
+    grown = resident() - before
+    (report,) = [r for r in engine.store.report() if r.path == str(big_dir)]
+    # within 3% (measured: 0.6%). Every linear is a packed private copy (the tied
+    # lm_head too); the file's plain weights they replaced are neither counted nor
+    # resident any more (without giving their pages back, RSS grew by 1.6x the count)
+    assert abs(report.bytes - grown) <= 0.03 * report.bytes, (report, grown)
+    file_params = 4 * (2 * 512 * 512 + 2 * 256 * 512 + 3 * 512 * 1536) + 8000 * 512
+    assert report.parameters >= file_params + 8000 * 512  # the lm_head's packed copy
+    assert report.private_bytes > 0.75 * report.bytes
+    engine.shutdown()
+
+
+class _Adapter(nn.Module):
+    """A module kind the store has never seen, keeping its matrices in a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.extra = {"a": torch.zeros(8, 1000), "b": torch.zeros(1000, 8)}
+
+    def held_tensors(self):
+        return list(self.extra.items())
+
+
+def test_a_module_kind_plugs_into_the_count_through_its_hook():
+    model = _Adapter()
+    counted = sum(tensor_bytes(t) for t in distinct(model).values())
+    assert counted == (8 * 8 + 8 + 2 * 8000) * 4
+
+
+class _Foreign(nn.Module):
+    """Stands for a class we do not own: no hook of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.zeros(100, 10)  # a plain attribute, no parameter or buffer
+
+
+def test_a_class_we_do_not_own_is_counted_through_a_registered_function():
+    model = nn.Sequential(_Foreign(), nn.Linear(10, 10, bias=False))
+    assert sum(tensor_bytes(t) for t in distinct(model).values()) == 100 * 4
+    register_held(_Foreign, lambda module: [("table", module.table)])
+    assert sum(tensor_bytes(t) for t in distinct(model).values()) == (1000 + 100) * 4
+
+
+def test_int8_weights_are_counted_at_their_size(llama_dir):
+    store = WeightStore()
+    plain = store.load(llama_dir, "generate")
+    quantized = store.load(llama_dir, "generate", quantize="int8")
+    rows = {r.quantize: r for r in store.report()}
+    linears = [m for m in plain.model.modules() if isinstance(m, nn.Linear)]
+    float_bytes = sum(m.weight.numel() * 4 for m in linears)
+    int8_bytes = sum(m.weight.numel() for m in linears)
+    # same embeddings and norms; the linears count one byte per weight, not zero
+    assert rows["int8"].bytes - (rows[None].bytes - float_bytes) >= int8_bytes
+    assert rows["int8"].private_bytes >= int8_bytes
+    assert quantized.model is not plain.model
