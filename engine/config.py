@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from trae_groups.kernels.kv_quant import KV_STORAGE
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("int8",)  # weight quantizations the weight store applies (engine/quant.py)
+KV_CACHE_DTYPES = ("auto", *KV_STORAGE)
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_cache: bool = True
     fast_linear: bool = True  # oneDNN pre-packed linears on CPU, when available
+    # weights of the LLMs the engine loads itself: None (as the dtype says) or "int8"
+    # (engine/quant.py); a graph sets it per model
+    quantization: str | None = None
+    # what KV pages hold: "auto" (the model's dtype), "int8" or "fp8" (one byte per value and
+    # a float16 scale per token and KV head; fp8 on CUDA devices of capability 8.9 and up)
+    kv_cache_dtype: str = "auto"
     attention_backend: str | None = None  # None: best available
     scheduling: str = "graph"  # "graph": deeper, then older work first; "fifo": older first
     num_threads: int | None = None
@@ -53,6 +63,16 @@ class EngineConfig:
         for name in ("long_prefill_token_threshold", "max_prompt_tokens", "max_tokens_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 (or None)")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"quantization: must be one of {list(QUANTIZATIONS)} or None, "
+                f"got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.scheduling not in ("graph", "fifo"):
             raise ValueError(f"scheduling: must be 'graph' or 'fifo', got {self.scheduling!r}")
         if not self.compile_batch_sizes or min(self.compile_batch_sizes) < 1:
@@ -70,6 +90,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def kv_storage(self) -> torch.dtype | None:
+        """The one-byte dtype KV pages hold, or None: the model's own dtype."""
+        return KV_STORAGE[self.kv_cache_dtype][0] if self.kv_cache_dtype in KV_STORAGE else None
 
     def pool_size(self) -> int:
         if self.pool_bytes is not None:

@@ -24,7 +24,6 @@ import hashlib
 import logging
 import math
 import threading
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +32,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from trae_groups.engine.config import QUANTIZATIONS
 from trae_groups.engine.errors import ModelLoadError
 
 log = logging.getLogger("trae_groups.engine")
@@ -90,6 +90,7 @@ class LoadedModel:
     quantize: str | None = None
     policy: SharingPolicy = field(default_factory=SharingPolicy)
     loads: int = 1
+    choice: str | None = None  # why these weights, when dtype/quantization was "auto"
 
     @property
     def max_length(self) -> int:
@@ -123,6 +124,7 @@ class ModelReport:
     memory: str
     gpu: str
     loads: int  # how many load() calls returned this instance
+    choice: str | None = None  # why these weights, when dtype/quantization was "auto"
 
 
 class _Held:
@@ -231,7 +233,7 @@ class WeightStore:
                 _privatize(model)
             added = self._share(model) if policy.memory == "shared" else []
             if quantize == "int8":
-                _quantize_int8(model)
+                _quantize_int8(model, task)
             self._register(key, model, added)
             loaded = LoadedModel(
                 name=name or path.name,
@@ -323,6 +325,20 @@ class WeightStore:
             self._tokenizers.pop(path, None)
             return len(keys)
 
+    def release(self, loaded: LoadedModel) -> bool:
+        """One ``load()`` caller is done with ``loaded``; the instance (and every tensor
+        nobody else uses) is dropped with its last caller. Returns whether it was dropped."""
+        with self._lock:
+            key = next((k for k, m in self._models.items() if m is loaded), None)
+            if key is None:
+                return False
+            loaded.loads -= 1
+            if loaded.loads > 0:
+                return False
+            del self._models[key]
+            self._forget(key)
+            return True
+
     def _forget(self, key: tuple | None) -> None:
         """Drop ``key`` from every held tensor, then every tensor nobody uses."""
         for skey, candidates in list(self._held.items()):
@@ -370,6 +386,7 @@ class WeightStore:
             memory=loaded.policy.memory,
             gpu=loaded.policy.gpu,
             loads=loaded.loads,
+            choice=loaded.choice,
         )
 
     def total_bytes(self) -> int:
@@ -439,8 +456,10 @@ def _check_options(
         raise ModelLoadError(path, f"unknown task {task!r}; expected one of {TASKS}")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ModelLoadError(path, f"unsupported dtype {dtype}")
-    if quantize not in (None, "int8"):
-        raise ModelLoadError(path, f"unknown quantization {quantize!r}; expected 'int8'")
+    if quantize not in (None, *QUANTIZATIONS):
+        raise ModelLoadError(
+            path, f"unknown quantization {quantize!r}; expected one of {list(QUANTIZATIONS)}"
+        )
     if quantize == "int8" and (device.type != "cpu" or dtype != torch.float32):
         raise ModelLoadError(path, "int8 dynamic quantization runs on CPU from float32 weights")
 
@@ -596,8 +615,10 @@ def _privatize(model: nn.Module) -> None:
             module._buffers[name] = copies[id(t)]
 
 
-def _quantize_int8(model: nn.Module) -> None:
-    """Dynamic int8 for every Linear (weights int8, activations quantized per batch)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+def _quantize_int8(model: nn.Module, task: str) -> None:
+    """int8 Linears (per-channel int8 weights, activations quantized per call): the one
+    mechanism for encoders and LLMs (``engine/quant.py`` says why this op). An LLM keeps its
+    MLP output projections float (their inputs carry outlier features)."""
+    from trae_groups.engine.quant import LLM_KEEP_FLOAT, quantize_linears
+
+    quantize_linears(model, keep_float=LLM_KEEP_FLOAT if task == "generate" else ())

@@ -25,6 +25,7 @@ from pydantic import (
 )
 from typing_extensions import TypedDict  # pydantic needs it before Python 3.12
 
+from trae_groups.engine.config import QUANTIZATIONS
 from trae_groups.graphs.deploy import DeploySpec
 from trae_groups.graphs.errors import SourceMap
 from trae_groups.graphs.nodes import (
@@ -55,6 +56,7 @@ from trae_groups.graphs.types import (
 )
 
 Task = Literal[TASKS]  # type: ignore[valid-type]  (the model tasks the node kinds run on)
+Quantization = Literal[("auto", "none", *QUANTIZATIONS)]  # type: ignore[valid-type]
 InputType = Literal["str", "int", "float", "bool", "list[str]", "messages"]
 
 __all__ = [
@@ -83,7 +85,11 @@ class ModelSpec(Spec):
     task: Task
     max_batch_size: int | None = Field(None, gt=0)
     max_queue_delay_ms: float | None = Field(None, ge=0)
+    # "auto": picked from the hardware and checked by the accuracy gate (engine/auto_weights.py)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+    quantization: Quantization | None = None
+    # the accuracy gate's bound for "auto" choices; None: DEFAULT_MAX_DROP
+    max_accuracy_drop: float | None = Field(None, gt=0, lt=1)
     max_prompt_tokens: int | None = Field(None, gt=0)  # generate models: longer prompts refused
     max_tokens_limit: int | None = Field(None, gt=0)  # generate models: the most one request asks
 
@@ -108,6 +114,13 @@ class ModelSpec(Spec):
         limits = [f for f in ("max_prompt_tokens", "max_tokens_limit") if getattr(self, f)]
         if limits and self.task != "generate":
             raise ValueError(f"{limits[0]} is for generate models, not {self.task}")
+        if self.quantization == "int8" and self.dtype not in (None, "float32"):
+            raise ValueError(
+                f"quantization: int8 runs from float32 weights, not dtype {self.dtype}"
+            )
+        auto = "auto" in (self.dtype, self.quantization)
+        if self.max_accuracy_drop is not None and not auto:
+            raise ValueError("max_accuracy_drop bounds an 'auto' dtype or quantization; set one")
         return self
 
     @property

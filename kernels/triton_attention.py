@@ -38,6 +38,7 @@ from trae_groups.kernels.attention import PagedBatch
 
 _TRUE = ("1", "true", "yes", "on")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KV_DTYPES = ("int8",)  # quantized KV caches these kernels read and write (kv_quant.py)
 _LOG2E = 1.4426950408889634
 
 if os.environ.get("TRAE_TRITON_INTERPRET", "").strip().lower() in _TRUE:

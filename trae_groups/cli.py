@@ -68,6 +68,11 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cpu)")
     group.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     group.add_argument("--attention-backend", default=None, help="torch, triton, flash_attn")
+    group.add_argument(
+        "--kv-cache-dtype", default=None,
+        help="what KV pages hold: auto (the model's dtype), int8, fp8 (CUDA 8.9+); "
+        "checked by EngineConfig",
+    )  # fmt: skip
 
 
 def _function_options(parser: argparse.ArgumentParser) -> None:
@@ -89,6 +94,7 @@ def _engine_config(args: argparse.Namespace):
         "device": args.device,
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     return dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
 
@@ -275,9 +281,12 @@ def cmd_model_info(args: argparse.Namespace) -> int:
             "shared_bytes": r.shared_bytes,
             "device": r.device,
             "dtype": r.dtype,
+            "quantize": r.quantize,
         }
+        if any(x.choice for x in reports):  # "auto" weights: what was chosen and why
+            row["chosen"] = r.choice
         if args.detail:
-            row.update(path=r.path, quantize=r.quantize, memory=r.memory, gpu=r.gpu, loads=r.loads)
+            row.update(path=r.path, memory=r.memory, gpu=r.gpu, loads=r.loads)
             row["used_by"] = users.get(r.name, [])
         rows.append(row)
     held = runtime.store.total_bytes()

@@ -1,0 +1,146 @@
+"""Accuracy gate: a compressed model (int8, bf16) is served only if it scores within a bound of
+its float32 weights on a small fixed probe set.
+
+LLM: teacher-forced over the probe texts, the perplexity of the text and the greedy (top-1)
+next-token accuracy against the text. It passes when perplexity rises by at most ``bound``
+(relative) and greedy accuracy falls by at most ``bound`` (absolute). Greedy agreement with the
+float model's own top-1 is reported too (it is what a user sees change), not gated: it is
+below 100% even for bf16 whenever the float model is unsure.
+Encoders: the agreement of decisions with float on the probe texts (labels for classify and
+rerank, per-token labels for tag; cosine similarity for embed); passes when 1 - agreement is
+at most ``bound``. A held-out metric from an eval set in the graph is not done yet.
+
+The probes are fixed, so a given model and hardware always get the same verdict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+DEFAULT_MAX_DROP = 0.02  # the seeds' "metrics may drop at most 2%"
+
+PROBE_TEXTS = (
+    "The history of the city begins in the early medieval period, when a small settlement "
+    "grew up around a river crossing. Over the following centuries, merchants built warehouses "
+    "along the banks, and the town became a centre of trade in wool and grain.",
+    "To reset your password, open the settings page, choose security, and follow the link we "
+    "send to your email address. If the link has expired, request a new one and try again.",
+    "Water boils at a lower temperature at high altitude because the air pressure is lower. "
+    "Cooking pasta in the mountains therefore takes longer than it does at sea level.",
+    "I would like to book a table for four people on Friday evening, preferably near the "
+    "window. One of us is vegetarian, so please let me know which dishes are suitable.",
+)
+_PROBE_TOKENS = 96  # per text, at most
+
+
+@dataclass(frozen=True)
+class GateResult:
+    passed: bool
+    drop: float  # the largest drop measured (what the bound is compared with)
+    detail: str  # the figures, for logs and `trae model info`
+
+
+# -- LLMs ------------------------------------------------------------------------------------
+def check_llm(
+    reference: nn.Module, candidate: nn.Module, tokenizer, bound: float = DEFAULT_MAX_DROP
+) -> GateResult:
+    """Gate a causal LM against its float32 weights on the probe texts."""
+    probes = _llm_probes(tokenizer, reference)
+    ref = [_teacher_forced(reference, ids) for ids in probes]
+    got = [_teacher_forced(candidate, ids) for ids in probes]
+    ppl_ref, acc_ref = _perplexity_accuracy(ref, probes)
+    ppl_got, acc_got = _perplexity_accuracy(got, probes)
+    agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(ref, got, strict=True))
+    positions = sum(a.shape[0] for a in ref)
+    ppl_rise = ppl_got / ppl_ref - 1.0
+    acc_drop = acc_ref - acc_got
+    drop = max(ppl_rise, acc_drop)
+    detail = (
+        f"perplexity {ppl_ref:.3f} -> {ppl_got:.3f} ({ppl_rise:+.2%}), greedy accuracy "
+        f"{acc_ref:.3f} -> {acc_got:.3f}, top-1 agreement with float "
+        f"{agree / positions:.1%} over {positions} positions"
+    )
+    return GateResult(bool(drop <= bound), drop, detail)
+
+
+def _llm_probes(tokenizer, model: nn.Module) -> list[torch.Tensor]:
+    if tokenizer is None:  # a token-id-only model: fixed random ids stand in for text
+        vocab = model.get_input_embeddings().weight.shape[0]
+        gen = torch.Generator().manual_seed(0)
+        return [torch.randint(0, vocab, (64,), generator=gen) for _ in PROBE_TEXTS]
+    return [
+        torch.tensor(tokenizer(text)["input_ids"][:_PROBE_TOKENS], dtype=torch.long)
+        for text in PROBE_TEXTS
+    ]
+
+
+@torch.inference_mode()
+def _teacher_forced(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """float32 logits [len - 1, vocab] predicting tokens 1.. of ``ids``."""
+    with _plain_attention(model):
+        logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1]
+    return logits.float()
+
+
+@contextlib.contextmanager
+def _plain_attention(model: nn.Module):
+    """Run a model loaded for paged attention through transformers' SDPA for a plain forward
+    (the paged function needs an engine step), then put it back."""
+    current = model.config._attn_implementation
+    if current in ("sdpa", "eager"):
+        yield
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(current)
+
+
+def _perplexity_accuracy(logits: list[torch.Tensor], probes: list[torch.Tensor]):
+    nll = n = correct = 0
+    for lg, ids in zip(logits, probes, strict=True):
+        target = ids[1:]
+        nll += float(nn.functional.cross_entropy(lg, target, reduction="sum"))
+        correct += int((lg.argmax(-1) == target).sum())
+        n += target.numel()
+    return math.exp(nll / n), correct / n
+
+
+# -- encoders --------------------------------------------------------------------------------
+def check_encoder(
+    reference: nn.Module, candidate: nn.Module, tokenizer, task: str,
+    bound: float = DEFAULT_MAX_DROP,
+) -> GateResult:  # fmt: skip
+    """Gate an encoder against its float32 weights: agreement of its decisions on the probes."""
+    batch = tokenizer(list(PROBE_TEXTS), padding=True, truncation=True, max_length=128,
+                      return_tensors="pt")  # fmt: skip
+    with torch.inference_mode():
+        ref, got = (_encoder_output(m, batch, task) for m in (reference, candidate))
+    if task == "embed":
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        pool = [(h * mask).sum(1) / mask.sum(1) for h in (ref, got)]
+        agreement = float(nn.functional.cosine_similarity(*pool, dim=-1).min())
+        what = "lowest cosine similarity of pooled embeddings"
+    elif task == "tag":
+        real = batch["attention_mask"].bool()
+        agreement = float((ref.argmax(-1) == got.argmax(-1))[real].float().mean())
+        what = f"token label agreement over {int(real.sum())} tokens"
+    elif ref.shape[-1] == 1:  # a single relevance logit: its order over the probes
+        agreement = float((ref.squeeze(-1).argsort() == got.squeeze(-1).argsort()).float().mean())
+        what = "rank agreement"
+    else:
+        agreement = float((ref.argmax(-1) == got.argmax(-1)).float().mean())
+        what = f"label agreement over {ref.shape[0]} texts"
+    drop = 1.0 - agreement
+    return GateResult(bool(drop <= bound), drop, f"{what} with float: {agreement:.1%}")
+
+
+def _encoder_output(model: nn.Module, batch, task: str) -> torch.Tensor:
+    out = model(**batch)
+    return (out.last_hidden_state if task == "embed" else out.logits).float()
