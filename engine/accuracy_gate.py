@@ -53,17 +53,21 @@ def check_llm(
     probes = _llm_probes(tokenizer, reference)
     ref = [_teacher_forced(reference, ids) for ids in probes]
     got = [_teacher_forced(candidate, ids) for ids in probes]
-    ppl_ref, acc_ref = _perplexity_accuracy(ref, probes)
-    ppl_got, acc_got = _perplexity_accuracy(got, probes)
-    agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(ref, got, strict=True))
-    positions = sum(a.shape[0] for a in ref)
+    texts = [ids[1:] for ids in probes]
+    greedy = [lg.argmax(-1) for lg in ref]  # the float model's own choices
+    ppl_ref, acc_ref = _perplexity_accuracy(ref, texts)
+    ppl_got, acc_got = _perplexity_accuracy(got, texts)
+    gppl_ref, _ = _perplexity_accuracy(ref, greedy)
+    gppl_got, agree = _perplexity_accuracy(got, greedy)
     ppl_rise = ppl_got / ppl_ref - 1.0
+    greedy_rise = gppl_got / gppl_ref - 1.0
     acc_drop = acc_ref - acc_got
-    drop = max(ppl_rise, acc_drop)
+    drop = max(ppl_rise, greedy_rise, acc_drop)
     detail = (
-        f"perplexity {ppl_ref:.3f} -> {ppl_got:.3f} ({ppl_rise:+.2%}), greedy accuracy "
-        f"{acc_ref:.3f} -> {acc_got:.3f}, top-1 agreement with float "
-        f"{agree / positions:.1%} over {positions} positions"
+        f"perplexity {ppl_ref:.3f} -> {ppl_got:.3f} ({ppl_rise:+.2%}), perplexity of the float "
+        f"model's greedy choices {gppl_ref:.3f} -> {gppl_got:.3f} ({greedy_rise:+.2%}), greedy "
+        f"accuracy {acc_ref:.3f} -> {acc_got:.3f}, top-1 agreement with float {agree:.1%} over "
+        f"{sum(t.numel() for t in texts)} positions"
     )
     return GateResult(bool(drop <= bound), drop, detail)
 
@@ -102,10 +106,10 @@ def _plain_attention(model: nn.Module):
         model.set_attn_implementation(current)
 
 
-def _perplexity_accuracy(logits: list[torch.Tensor], probes: list[torch.Tensor]):
+def _perplexity_accuracy(logits: list[torch.Tensor], targets: list[torch.Tensor]):
+    """Perplexity of ``targets`` under ``logits`` and how often the top-1 is the target."""
     nll = n = correct = 0
-    for lg, ids in zip(logits, probes, strict=True):
-        target = ids[1:]
+    for lg, target in zip(logits, targets, strict=True):
         nll += float(nn.functional.cross_entropy(lg, target, reduction="sum"))
         correct += int((lg.argmax(-1) == target).sum())
         n += target.numel()

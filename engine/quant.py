@@ -82,6 +82,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
             raise TypeError(f"Int8Linear takes float32 activations, got {x.dtype}")
+        if x.dim() == 1:  # nn.Linear takes a single vector; the kernel wants rows
+            return self.forward(x[None])[0]
         return torch.ops.quantized.linear_dynamic(x, self._packed_params.packed, self.reduce_range)
 
     def extra_repr(self) -> str:
