@@ -22,7 +22,7 @@ KV_STORAGE: dict[str, tuple[torch.dtype, float]] = {
     "fp8": (torch.float8_e4m3fn, 448.0),
 }
 SCALE_DTYPE = torch.float16
-_MIN_SCALE = 2.0**-14  # float16's smallest normal: an all-zero head still divides safely
+_MIN_SCALE = 2.0**-24  # float16's smallest (subnormal) value: an all-zero head divides safely
 
 
 def quantize(x: torch.Tensor, storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
