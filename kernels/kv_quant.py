@@ -22,14 +22,14 @@ KV_STORAGE: dict[str, tuple[torch.dtype, float]] = {
     "fp8": (torch.float8_e4m3fn, 448.0),
 }
 SCALE_DTYPE = torch.float16
-_MIN_SCALE = 2.0**-24  # float16's smallest (subnormal) value: an all-zero head divides safely
+MIN_SCALE = 2.0**-24  # float16's smallest (subnormal) value: an all-zero head divides safely
 
 
 def quantize(x: torch.Tensor, storage: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., dim] -> (values [..., dim] in ``storage``, scales [...] in float16)."""
     qmax = _qmax(storage)
     amax = x.detach().abs().amax(dim=-1).float()
-    scale = (amax / qmax).clamp(min=_MIN_SCALE).to(SCALE_DTYPE)
+    scale = (amax / qmax).clamp(min=MIN_SCALE).to(SCALE_DTYPE)
     scaled = x.float() / scale.float().unsqueeze(-1)
     if storage == torch.int8:
         return scaled.round_().clamp_(-qmax, qmax).to(torch.int8), scale

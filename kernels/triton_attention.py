@@ -35,8 +35,7 @@ import os
 import torch
 
 from trae_groups.kernels.attention import PagedBatch
-from trae_groups.kernels.kv_quant import KV_STORAGE, QuantKV
-from trae_groups.kernels.kv_quant import _MIN_SCALE as MIN_SCALE
+from trae_groups.kernels.kv_quant import KV_STORAGE, MIN_SCALE, QuantKV
 
 _TRUE = ("1", "true", "yes", "on")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)

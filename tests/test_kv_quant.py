@@ -83,7 +83,7 @@ def test_engine_greedy_with_int8_kv_agrees_with_float_kv(llm_dirs):
     steps = agree = 0
     for want, got in zip(outs["auto"], outs["int8"], strict=True):
         assert len(want) == len(got) == 16
-        first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+        first = next((i for i, (a, b) in enumerate(zip(want, got, strict=True)) if a != b), None)
         steps += 16 if first is None else first + 1
         agree += 16 if first is None else first
     assert agree >= 0.95 * steps  # measured 471 of 476 (qwen3)
