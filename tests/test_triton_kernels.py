@@ -445,7 +445,7 @@ _I32_PTRS = ("starts_ptr", "tile_seq_ptr", "tile_row_ptr")
 _OPTIONS = ("num_warps", "num_stages")
 
 
-def _compile_sm90(fn, dtype: str, consts: dict) -> None:
+def _compile_sm90(fn, dtype: str, consts: dict, pointers: dict | None = None) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -455,6 +455,8 @@ def _compile_sm90(fn, dtype: str, consts: dict) -> None:
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name in (pointers or {}):
+            signature[name] = pointers[name]
         elif name in _INDEX_PTRS:
             signature[name] = _INDEX_PTRS[name]
         elif name in _I32_PTRS:
@@ -536,3 +538,19 @@ def test_int8_kv_pages_match_the_torch_reference(interpreter, window):
     torch.testing.assert_close(res["got"], res["reference"], atol=2e-2, rtol=2e-2)
     # against float attention: int8 with a per-token, per-head scale is ~0.4% per value
     torch.testing.assert_close(res["got"], res["dense"], atol=3e-2, rtol=3e-2)
+
+
+_INT8_PAGES = {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8", "cache_ptr": "*i8",
+               "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16", "scale_ptr": "*fp16"}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.skipif(tri.INTERPRETED, reason="this process runs triton interpreted")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_int8_kv_kernels_compile_for_hopper(dtype):
+    consts = tri.launch_constants(DTYPES[dtype], 4, 128, 16, True, kv_quant=True)
+    _compile_sm90(tri._decode_kernel, dtype, {**consts["decode"], "SPLIT": False}, _INT8_PAGES)
+    _compile_sm90(tri._prefill_kernel, dtype, consts["prefill"], _INT8_PAGES)
+    store = dict(PAGE=16, HEAD_DIM=128, QMAX=127.0, MIN_SCALE=2.0**-24, BLOCK_T=32, BLOCK_D=128)
+    _compile_sm90(tri._store_kv_int8_kernel, dtype, store, _INT8_PAGES)
