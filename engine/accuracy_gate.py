@@ -47,10 +47,12 @@ class GateResult:
 
 # -- LLMs ------------------------------------------------------------------------------------
 def check_llm(
-    reference: nn.Module, candidate: nn.Module, tokenizer, bound: float = DEFAULT_MAX_DROP
-) -> GateResult:
-    """Gate a causal LM against its float32 weights on the probe texts."""
-    probes = _llm_probes(tokenizer, reference)
+    reference: nn.Module, candidate: nn.Module, tokenizer, bound: float = DEFAULT_MAX_DROP,
+    max_length: int = _PROBE_TOKENS,
+) -> GateResult:  # fmt: skip
+    """Gate a causal LM against its float32 weights on the probe texts (each cut to
+    ``max_length`` tokens, at most the model's)."""
+    probes = _llm_probes(tokenizer, reference, min(max_length, _PROBE_TOKENS))
     ref = [_teacher_forced(reference, ids) for ids in probes]
     got = [_teacher_forced(candidate, ids) for ids in probes]
     texts = [ids[1:] for ids in probes]
@@ -72,13 +74,13 @@ def check_llm(
     return GateResult(bool(drop <= bound), drop, detail)
 
 
-def _llm_probes(tokenizer, model: nn.Module) -> list[torch.Tensor]:
+def _llm_probes(tokenizer, model: nn.Module, length: int) -> list[torch.Tensor]:
     if tokenizer is None:  # a token-id-only model: fixed random ids stand in for text
         vocab = model.get_input_embeddings().weight.shape[0]
         gen = torch.Generator().manual_seed(0)
-        return [torch.randint(0, vocab, (64,), generator=gen) for _ in PROBE_TEXTS]
+        return [torch.randint(0, vocab, (min(64, length),), generator=gen) for _ in PROBE_TEXTS]
     return [
-        torch.tensor(tokenizer(text)["input_ids"][:_PROBE_TOKENS], dtype=torch.long)
+        torch.tensor(tokenizer(text)["input_ids"][:length], dtype=torch.long)
         for text in PROBE_TEXTS
     ]
 
@@ -119,11 +121,12 @@ def _perplexity_accuracy(logits: list[torch.Tensor], targets: list[torch.Tensor]
 # -- encoders --------------------------------------------------------------------------------
 def check_encoder(
     reference: nn.Module, candidate: nn.Module, tokenizer, task: str,
-    bound: float = DEFAULT_MAX_DROP,
+    bound: float = DEFAULT_MAX_DROP, max_length: int = 128,
 ) -> GateResult:  # fmt: skip
-    """Gate an encoder against its float32 weights: agreement of its decisions on the probes."""
-    batch = tokenizer(list(PROBE_TEXTS), padding=True, truncation=True, max_length=128,
-                      return_tensors="pt")  # fmt: skip
+    """Gate an encoder against its float32 weights: agreement of its decisions on the probes
+    (each cut to ``max_length`` tokens, at most the model's)."""
+    batch = tokenizer(list(PROBE_TEXTS), padding=True, truncation=True,
+                      max_length=min(max_length, 128), return_tensors="pt")  # fmt: skip
     with torch.inference_mode():
         ref, got = (_encoder_output(m, batch, task) for m in (reference, candidate))
     if task == "embed":

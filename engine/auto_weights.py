@@ -113,8 +113,7 @@ def _decided(loaded: LoadedModel, choice: WeightChoice, why: str, refused: list[
 
 
 def _gate(reference: LoadedModel, candidate: LoadedModel, task: str, bound: float):
+    ref, cand, tok = reference.model, candidate.model, reference.tokenizer
     if task == "generate":
-        return accuracy_gate.check_llm(reference.model, candidate.model, reference.tokenizer, bound)
-    return accuracy_gate.check_encoder(
-        reference.model, candidate.model, reference.tokenizer, task, bound
-    )
+        return accuracy_gate.check_llm(ref, cand, tok, bound, max_length=reference.max_length)
+    return accuracy_gate.check_encoder(ref, cand, tok, task, bound, max_length=reference.max_length)
