@@ -91,11 +91,12 @@ class LLMEngine:
         for name, path in named.items():
             self.add_llm(name, path)
         log.info(
-            "engine: %d pages of %d bytes on %s, attention backend %s",
+            "engine: %d pages of %d bytes on %s, attention backend %s, KV pages %s",
             self.pool.num_pages,
             self.pool.page_bytes,
             self.config.device,
             self.backend.name,
+            self.config.kv_cache_dtype,
         )
 
     def _make_pool(self, layouts) -> MemoryPool:
@@ -303,6 +304,7 @@ class LLMEngine:
             busy_seconds=self.loop.busy_seconds,
             pool=self.pool.stats(),
             models={name: w.model_stats() for name, w in workers.items()},
+            kv_cache_dtype=self.config.kv_cache_dtype,
         )
 
     def stats(self) -> dict:

@@ -147,6 +147,7 @@ class EngineStats:
     busy_seconds: float  # time the loop spent stepping: the utilisation measure
     pool: PoolStats
     models: dict[str, ModelStats] = field(default_factory=dict)
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: what the KV pages hold
 
     @property
     def pending(self) -> int:
