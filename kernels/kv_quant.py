@@ -38,7 +38,8 @@ def quantize(x: torch.Tensor, storage: torch.dtype) -> tuple[torch.Tensor, torch
 
 def dequantize(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The inverse of ``quantize``, in ``dtype``."""
-    return (values.float() * scale.float().unsqueeze(-1)).to(dtype)
+    out = values.to(dtype)  # one new tensor, scaled in place (dequantizing is per step)
+    return out.mul_(scale.to(dtype).unsqueeze(-1))
 
 
 def _qmax(storage: torch.dtype) -> float:

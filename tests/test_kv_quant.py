@@ -99,3 +99,19 @@ def test_kv_cache_dtype_is_checked_where_it_is_set():
     no_quant = AttentionBackend("x", store_kv, paged_attention, kv_dtypes=())
     with pytest.raises(ValueError, match="the x attention backend supports"):
         no_quant.check_kv("int8", "cpu")
+
+
+def test_kv_cache_dtype_flag_reaches_the_engine_config():
+    from trae_groups.cli import _engine_config, build_parser
+
+    args = build_parser().parse_args(["model", "info", "g.yaml", "--kv-cache-dtype", "int8"])
+    assert _engine_config(args).kv_cache_dtype == "int8"
+    args = build_parser().parse_args(["model", "info", "g.yaml"])
+    assert _engine_config(args).kv_cache_dtype == "auto"  # EngineConfig's default
+    with pytest.raises(SystemExit) as exit_:  # argparse: exit 2, the choices named
+        build_parser().parse_args(["model", "info", "g.yaml", "--kv-cache-dtype", "int4"])
+    assert exit_.value.code == 2
+    from trae_groups import cli
+    from trae_groups.engine.config import KV_CACHE_DTYPES
+
+    assert cli.KV_CACHE_DTYPES == KV_CACHE_DTYPES

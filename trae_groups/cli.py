@@ -62,6 +62,11 @@ def _print_json(data: Any) -> None:
 # ---------------------------------------------------------------- engine options
 
 
+# engine.config.KV_CACHE_DTYPES, spelled out so that parsing imports no torch (a test checks
+# the two agree)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
+
 def _engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--pool-bytes", type=parse_size, help="memory pool size, e.g. 512MiB")
@@ -69,9 +74,8 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     group.add_argument("--attention-backend", default=None, help="torch, triton, flash_attn")
     group.add_argument(
-        "--kv-cache-dtype", default=None,
-        help="what KV pages hold: auto (the model's dtype), int8, fp8 (CUDA 8.9+); "
-        "checked by EngineConfig",
+        "--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+        help="what KV pages hold: auto (the model's dtype), int8, fp8 (CUDA 8.9+)",
     )  # fmt: skip
 
 
