@@ -618,7 +618,7 @@ def _privatize(model: nn.Module) -> None:
 def _quantize_int8(model: nn.Module, task: str) -> None:
     """int8 Linears (per-channel int8 weights, activations quantized per call): the one
     mechanism for encoders and LLMs (``engine/quant.py`` says why this op). An LLM keeps its
-    MLP output projections float (their inputs carry outlier features)."""
+    MLP float (``LLM_KEEP_FLOAT``: outlier features in its activations)."""
     from trae_groups.engine.quant import LLM_KEEP_FLOAT, quantize_linears
 
     quantize_linears(model, keep_float=LLM_KEEP_FLOAT if task == "generate" else ())

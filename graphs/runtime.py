@@ -181,8 +181,9 @@ class ModelRuntime:
 
     # -- models ------------------------------------------------------------------------
     def _key(self, spec: ModelSpec, path: Path) -> tuple:
-        """What makes two model entries one loaded model: folder, task, dtype and the
-        per-request limits an LLM enforces (its weights are shared all the same)."""
+        """What makes two model entries one loaded model: folder, task, the weight options
+        (dtype, quantization, gate bound) and the per-request limits an LLM enforces (its
+        weights are shared all the same)."""
         dtype = spec.dtype if spec.dtype == "auto" else self._dtype(spec)
         weights = (dtype, spec.quantization, spec.max_accuracy_drop)
         limits = (spec.max_prompt_tokens, spec.max_tokens_limit)
