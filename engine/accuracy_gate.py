@@ -8,7 +8,8 @@ float model's own top-1 is reported too (it is what a user sees change), not gat
 below 100% even for bf16 whenever the float model is unsure.
 Encoders: the agreement of decisions with float on the probe texts (labels for classify and
 rerank, per-token labels for tag; cosine similarity for embed); passes when 1 - agreement is
-at most ``bound``. A held-out metric from an eval set in the graph is not done yet.
+at most ``bound``. A classifier given a held-out set (``eval_set`` in the graph: JSONL of text
+and label) is gated on its accuracy there instead (drop at most ``bound``, absolute).
 
 The probes are fixed, so a given model and hardware always get the same verdict.
 """
@@ -16,6 +17,7 @@ The probes are fixed, so a given model and hardware always get the same verdict.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from dataclasses import dataclass
 
@@ -146,6 +148,54 @@ def check_encoder(
         what = f"label agreement over {ref.shape[0]} texts"
     drop = 1.0 - agreement
     return GateResult(bool(drop <= bound), drop, f"{what} with float: {agreement:.1%}")
+
+
+def check_classifier(
+    reference: nn.Module, candidate: nn.Module, tokenizer, examples: list[tuple[str, str]],
+    bound: float = DEFAULT_MAX_DROP, max_length: int = 128,
+) -> GateResult:  # fmt: skip
+    """Gate a classifier on a held-out set of (text, label): accuracy may drop by at most
+    ``bound`` (absolute)."""
+    accuracy = [_accuracy(m, tokenizer, examples, max_length) for m in (reference, candidate)]
+    drop = accuracy[0] - accuracy[1]
+    detail = (
+        f"held-out accuracy {accuracy[0]:.4f} -> {accuracy[1]:.4f} ({-drop:+.2%} points) "
+        f"on {len(examples)} examples"
+    )
+    return GateResult(bool(drop <= bound), max(drop, 0.0), detail)
+
+
+@torch.inference_mode()
+def _accuracy(model: nn.Module, tokenizer, examples, max_length: int, chunk: int = 64) -> float:
+    id2label = model.config.id2label
+    hits = 0
+    for start in range(0, len(examples), chunk):
+        part = examples[start : start + chunk]
+        batch = tokenizer([t for t, _ in part], padding=True, truncation=True,
+                          max_length=max_length, return_tensors="pt")  # fmt: skip
+        predicted = model(**batch).logits.argmax(-1).tolist()
+        hits += sum(id2label[p] == label for p, (_, label) in zip(predicted, part, strict=True))
+    return hits / len(examples)
+
+
+def read_eval_set(path) -> list[tuple[str, str]]:
+    """A JSONL file of ``{"text": ..., "label": ...}`` lines; ValueError names the line."""
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                text, label = row["text"], row["label"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f'line {number}: expected {{"text", "label"}}: {exc}') from None
+            if not isinstance(text, str) or not isinstance(label, str):
+                raise ValueError(f"line {number}: text and label must be strings")
+            examples.append((text, label))
+    if not examples:
+        raise ValueError("no examples")
+    return examples
 
 
 def _encoder_output(model: nn.Module, batch, task: str) -> torch.Tensor:

@@ -74,9 +74,11 @@ def load_auto(
     quant_auto: bool,
     base: torch.dtype = torch.float32,
     bound: float = accuracy_gate.DEFAULT_MAX_DROP,
+    eval_set: list[tuple[str, str]] | None = None,
     **load_kwargs: Any,
 ) -> tuple[LoadedModel, AutoDecision]:
-    """Load ``path`` for ``task`` with the best candidate that passes the gate."""
+    """Load ``path`` for ``task`` with the best candidate that passes the gate (on
+    ``eval_set``, (text, label) pairs, for a classifier that has one)."""
     options = candidates(hw, task, dtype_auto=dtype_auto, quant_auto=quant_auto, base=base)
     reference: LoadedModel | None = None
     refused: list[str] = []
@@ -84,7 +86,7 @@ def load_auto(
         reference = reference or store.load(path, task, dtype=torch.float32, **load_kwargs)
         loaded = store.load(path, task, dtype=choice.dtype, quantize=choice.quantize,
                             **load_kwargs)  # fmt: skip
-        result = _gate(reference, loaded, task, bound)
+        result = _gate(reference, loaded, task, bound, eval_set)
         if result.passed:
             why = f"{choice.label} ({choice.reason}); gate passed: {result.detail}"
             store.release(reference)
@@ -112,8 +114,11 @@ def _decided(loaded: LoadedModel, choice: WeightChoice, why: str, refused: list[
     return loaded, AutoDecision(replace(choice), why)
 
 
-def _gate(reference: LoadedModel, candidate: LoadedModel, task: str, bound: float):
+def _gate(reference: LoadedModel, candidate: LoadedModel, task: str, bound: float, eval_set):
     ref, cand, tok = reference.model, candidate.model, reference.tokenizer
+    if eval_set and task == "classify":
+        limit = reference.max_length
+        return accuracy_gate.check_classifier(ref, cand, tok, eval_set, bound, max_length=limit)
     if task == "generate":
         return accuracy_gate.check_llm(ref, cand, tok, bound, max_length=reference.max_length)
     return accuracy_gate.check_encoder(ref, cand, tok, task, bound, max_length=reference.max_length)

@@ -20,7 +20,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from trae_groups.engine.accuracy_gate import DEFAULT_MAX_DROP
+from trae_groups.engine.accuracy_gate import DEFAULT_MAX_DROP, read_eval_set
 from trae_groups.engine.auto_weights import load_auto
 from trae_groups.engine.batcher import BatcherConfig
 from trae_groups.engine.clients import LocalEncoder, LocalLLM
@@ -67,6 +67,7 @@ class ModelRuntime:
         self._by_key: dict[tuple, _Loaded] = {}
         self.graphs: dict[str, GraphExecutor] = {}
         self._bar: tqdm | None = None  # the model-load progress bar while bind() runs
+        self._eval_paths: dict[int, Path | None] = {}  # id(ModelSpec) -> its eval_set file
 
     @classmethod
     def for_specs(
@@ -125,6 +126,8 @@ class ModelRuntime:
                 raise ModelLoadError(
                     str(path), f"model {name!r}: an environment variable in its source is not set"
                 )
+        # eval_set files resolve like sources (from the graph file's folder); read when loading
+        self._eval_paths = {id(m): spec.eval_path(n) for n, m in spec.models.items()}
         new = {self._key(m, p) for _, _, m, p in wanted} - set(self._by_key)
         self._bar = tqdm(total=len(new), desc=f"loading {spec.name}", unit="model",
                          disable=None if new else True, leave=False)  # fmt: skip
@@ -202,9 +205,16 @@ class ModelRuntime:
         if self.hardware is None:
             self.hardware = detect(self.config.device)
         bound = spec.max_accuracy_drop or DEFAULT_MAX_DROP
+        eval_path = self._eval_paths.get(id(spec))
+        examples = None
+        if eval_path is not None:
+            try:
+                examples = read_eval_set(eval_path)
+            except (OSError, ValueError) as exc:
+                raise ModelLoadError(str(eval_path), f"model {name!r}: eval_set: {exc}") from exc
         loader = functools.partial(load_auto, hw=self.hardware, dtype_auto=spec.dtype == "auto",
                                    quant_auto=quantize == "auto", base=self._dtype(spec),
-                                   bound=bound)  # fmt: skip
+                                   bound=bound, eval_set=examples)  # fmt: skip
         return self._load(path, task, name, loader=loader, **kwargs)
 
     def _load(self, path: Path, task: str, name: str, loader=None, **kwargs: Any):

@@ -90,6 +90,8 @@ class ModelSpec(Spec):
     quantization: Quantization | None = None
     # the accuracy gate's bound for "auto" choices; None: DEFAULT_MAX_DROP
     max_accuracy_drop: float | None = Field(None, gt=0, lt=1)
+    # classify models: a JSONL file of {"text", "label"} lines the gate scores accuracy on
+    eval_set: str | None = Field(None, min_length=1)
     max_prompt_tokens: int | None = Field(None, gt=0)  # generate models: longer prompts refused
     max_tokens_limit: int | None = Field(None, gt=0)  # generate models: the most one request asks
 
@@ -119,8 +121,11 @@ class ModelSpec(Spec):
                 f"quantization: int8 runs from float32 weights, not dtype {self.dtype}"
             )
         auto = "auto" in (self.dtype, self.quantization)
-        if self.max_accuracy_drop is not None and not auto:
-            raise ValueError("max_accuracy_drop bounds an 'auto' dtype or quantization; set one")
+        for name in ("max_accuracy_drop", "eval_set"):
+            if getattr(self, name) is not None and not auto:
+                raise ValueError(f"{name} is for an 'auto' dtype or quantization; set one")
+        if self.eval_set is not None and self.task != "classify":
+            raise ValueError(f"eval_set is for classify models, not {self.task}")
         return self
 
     @property
@@ -271,6 +276,15 @@ class GraphSpec(Spec):
         environment; relative paths count from the declaring file's folder."""
         sources = self.models[name].sources
         path = Path(os.path.expandvars(sources[version or next(iter(sources))])).expanduser()
+        base = self._source.base_dir if self._source else None
+        return path if path.is_absolute() or base is None else base / path
+
+    def eval_path(self, name: str) -> Path | None:
+        """A model's ``eval_set`` file, resolved like its source."""
+        given = self.models[name].eval_set
+        if given is None:
+            return None
+        path = Path(os.path.expandvars(given)).expanduser()
         base = self._source.base_dir if self._source else None
         return path if path.is_absolute() or base is None else base / path
 

@@ -113,7 +113,8 @@ def test_model_info_shows_what_was_chosen(intent_dir, llama_dir, tmp_path, capsy
     [
         ("quantization: int4", 4, "quantization"),
         ("quantization: int8, dtype: bfloat16", 4, "int8 runs from float32 weights"),
-        ("max_accuracy_drop: 0.05", 4, "bounds an 'auto' dtype or quantization"),
+        ("max_accuracy_drop: 0.05", 4, "is for an 'auto' dtype or quantization"),
+        ("dtype: auto, eval_set: e.jsonl", 4, "eval_set is for classify models"),
         ("dtype: auto, max_accuracy_drop: 2", 4, "max_accuracy_drop"),
     ],
 )
@@ -124,3 +125,35 @@ def test_bad_weight_options_are_refused_at_load_with_their_line(
         load_graph_text(graph(intent_dir, llama_dir, dialog_opts=options), "quant.yaml")
     text = str(err.value)
     assert f"quant.yaml:{line}" in text and message in text and "dialog" in text
+
+
+def test_a_classifier_with_an_eval_set_is_gated_on_its_held_out_accuracy(
+    intent_dir, llama_dir, tmp_path
+):
+    from trae_groups.engine.errors import ModelLoadError
+    from trae_groups.graphs.loader import load_graph
+
+    rows = [{"text": t, "label": lab} for t, lab in
+            [("hello world", "a"), ("where is my order", "b"), ("cheap pills", "c")] * 4]  # fmt: skip
+    (tmp_path / "eval.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    text = graph(intent_dir, llama_dir, intent_q="auto") + ""
+    text = text.replace("quantization: auto}", "quantization: auto, eval_set: eval.jsonl}")
+    (tmp_path / "quant.yaml").write_text(text)
+    spec = load_graph(tmp_path / "quant.yaml")  # eval.jsonl counts from the graph's folder
+    runtime = ModelRuntime.for_specs([spec], EngineConfig(pool_bytes=8 << 20),
+                                     hardware=Hardware("cpu", frozenset({"avx512_vnni"})))  # fmt: skip
+    try:
+        runtime.bind(spec)
+        intent = {r.name: r for r in runtime.store.report()}["intent"]
+        assert intent.quantize == "int8"
+        assert "held-out accuracy" in intent.choice and "on 12 examples" in intent.choice
+    finally:
+        runtime.shutdown()
+    (tmp_path / "eval.jsonl").write_text(json.dumps(rows[0]) + "\n{not json\n")
+    runtime = ModelRuntime.for_specs([spec], EngineConfig(pool_bytes=8 << 20),
+                                     hardware=Hardware("cpu", frozenset({"avx512_vnni"})))  # fmt: skip
+    try:
+        with pytest.raises(ModelLoadError, match=r"eval\.jsonl.*'intent': eval_set: line 2"):
+            runtime.bind(spec)
+    finally:
+        runtime.shutdown()
