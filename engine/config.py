@@ -9,12 +9,15 @@ from dataclasses import dataclass
 import torch
 
 from trae_groups.engine.deadlines import POLICIES
+from trae_groups.kernels.kv_quant import KV_STORAGE
 
 DEFAULT_LOAD_WAIT_S = 60.0
 # The share of a GPU's memory the process may fill (weights, pool, everything): vLLM's
 # gpu_memory_utilization default. The rest is headroom for activations and other processes.
 DEFAULT_GPU_MEMORY_RESERVATION = 0.9
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("int8",)  # weight quantizations the weight store applies (engine/quant.py)
+KV_CACHE_DTYPES = ("auto", *KV_STORAGE)
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_cache: bool = True
     fast_linear: bool = True  # oneDNN pre-packed linears on CPU, when available
+    # weights of the LLMs the engine loads itself: None (as the dtype says) or "int8"
+    # (engine/quant.py); a graph sets it per model
+    quantization: str | None = None
+    # what KV pages hold: "auto" (the model's dtype), "int8" or "fp8" (one byte per value and
+    # a float16 scale per token and KV head; fp8 on CUDA devices of capability 8.9 and up)
+    kv_cache_dtype: str = "auto"
     attention_backend: str | None = None  # None: best available
     # waiting work's order (engine/deadlines.py): "deadline": earliest deadline, then deeper,
     # then older first; "graph": deeper, then older; "fifo": older first
@@ -74,6 +83,16 @@ class EngineConfig:
         for name in ("long_prefill_token_threshold", "max_prompt_tokens", "max_tokens_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 (or None)")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"quantization: must be one of {list(QUANTIZATIONS)} or None, "
+                f"got {self.quantization!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.scheduling not in POLICIES:
             raise ValueError(f"scheduling: must be one of {POLICIES}, got {self.scheduling!r}")
         if not self.compile_batch_sizes or min(self.compile_batch_sizes) < 1:
@@ -105,6 +124,11 @@ class EngineConfig:
         if self.gpu_memory_reservation is None:
             return DEFAULT_GPU_MEMORY_RESERVATION
         return self.gpu_memory_reservation
+
+    @property
+    def kv_storage(self) -> torch.dtype | None:
+        """The one-byte dtype KV pages hold, or None: the model's own dtype."""
+        return KV_STORAGE[self.kv_cache_dtype][0] if self.kv_cache_dtype in KV_STORAGE else None
 
     def pool_size(self) -> tuple[int, str]:
         """Bytes for the pool now, and where the figure comes from (for the log)."""

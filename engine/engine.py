@@ -51,11 +51,16 @@ def read_config(path: str):
         raise ModelLoadError(path, f"config.json cannot be read: {exc}") from exc
 
 
-def load_causal_lm(store: WeightStore, path: str, dtype: torch.dtype, device: str):
+def load_causal_lm(
+    store: WeightStore, path: str, dtype: torch.dtype, device: str, quantize: str | None = None
+):
     """The model class transformers picks for the folder, with our paged attention,
     through the weight store (memory-mapped, byte-identical tensors held once)."""
     read_config(path)
-    loaded = store.load(path, "generate", dtype=dtype, device=device, attn_implementation=ATTN_NAME)
+    loaded = store.load(
+        path, "generate", dtype=dtype, device=device, quantize=quantize,
+        attn_implementation=ATTN_NAME,
+    )  # fmt: skip
     return loaded.model, loaded.tokenizer
 
 
@@ -86,7 +91,9 @@ class LLMEngine:
         self.backend = select_backend(self.config.device, self.config.attention_backend)
         named = _named(models)
         paths = [*named.values(), *(str(p) for p in reserve_for)]
-        layouts = [kv_layout(read_config(p), self.config.torch_dtype) for p in paths]
+        self.backend.check_kv(self.config.kv_cache_dtype, self.config.device)
+        storage = self.config.kv_storage
+        layouts = [kv_layout(read_config(p), self.config.torch_dtype, storage) for p in paths]
         self.pool = self._make_pool(layouts)
         self._pool_sized = self.config.pool_bytes is not None
         self.llms: dict[str, LLMWorker] = {}
@@ -98,7 +105,12 @@ class LLMEngine:
         _LIVE.add(self)
         for name, path in named.items():
             self.add_llm(name, path)
-        log.info("engine on %s, attention backend %s", self.config.device, self.backend.name)
+        log.info(
+            "engine on %s, attention backend %s, KV pages %s",
+            self.config.device,
+            self.backend.name,
+            self.config.kv_cache_dtype,
+        )
 
     def _make_pool(self, layouts) -> MemoryPool:
         """The pool: of its final size when ``pool_bytes`` says it; else one page until
@@ -157,7 +169,11 @@ class LLMEngine:
             raise ValueError(f"a model named {name!r} is already on this engine")
         if model is None:
             model, tokenizer = load_causal_lm(
-                self.store, str(path), self.config.torch_dtype, self.config.device
+                self.store,
+                str(path),
+                self.config.torch_dtype,
+                self.config.device,
+                self.config.quantization,
             )
         if self.config.fast_linear and self.config.device == "cpu":
             from trae_groups.engine.fast_linear import fast_linear_available, pack_linears
@@ -345,6 +361,7 @@ class LLMEngine:
             weights={r.name: WeightStats.of(r) for r in self.store.report(wait=False)},
             residency=self.residency.stats(),
             weight_budget=self.config.weight_budget,
+            kv_cache_dtype=self.config.kv_cache_dtype,
         )
 
     def stats(self) -> dict:

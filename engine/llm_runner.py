@@ -107,13 +107,20 @@ def _compiled_decode_attention(module, query, key, value, scaling, kwargs, d: De
 AttentionInterface.register(ATTN_NAME, paged_attention_forward)
 
 
-def kv_layout(config, dtype: torch.dtype) -> KVLayout:
-    """The KV shape a decoder config implies (text config for multimodal wrappers)."""
+def kv_layout(config, dtype: torch.dtype, storage: torch.dtype | None = None) -> KVLayout:
+    """The KV shape a decoder config implies (text config for multimodal wrappers);
+    ``storage``: a quantized dtype the pages hold instead of ``dtype``."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return KVLayout(config.num_hidden_layers, kv_heads, head_dim, dtype)
+    return KVLayout(config.num_hidden_layers, kv_heads, head_dim, dtype, storage)
+
+
+def activation_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype a model's hidden states (and so its K/V) have: its input embedding's.
+    Linears may hold something else (int8) and still take and return this."""
+    return model.get_input_embeddings().weight.dtype
 
 
 @dataclass
@@ -219,6 +226,9 @@ class LLMRunner:
     def enable_compile(self, sizes: tuple[int, ...]) -> float:
         """Compile decode steps for these padded batch sizes (CPU only); returns the
         start-up seconds it took. Other steps, and any step on another device, stay eager."""
+        if self.kv.layout.storage is not None:
+            log.warning("compile: not with a quantized KV cache yet; decode stays eager")
+            return 0.0
         if self.device.type != "cpu" or self.backend.name != "torch":
             log.warning(
                 "compile: CPU and the torch attention backend only (no CUDA graphs yet); "

@@ -21,7 +21,7 @@ from trae_groups.engine.constraints import Grammars, fill_masks
 from trae_groups.engine.deadlines import rank
 from trae_groups.engine.detokenizer import find_stop, update_text
 from trae_groups.engine.errors import EngineStopped, RequestError
-from trae_groups.engine.llm_runner import LLMRunner, kv_layout
+from trae_groups.engine.llm_runner import LLMRunner, activation_dtype, kv_layout
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.protocol import ModelStats, Window
 from trae_groups.engine.sampling import Sampler, SamplingParams
@@ -63,7 +63,7 @@ class LLMWorker(Worker):
         self.tokenizer = tokenizer
         self.pool = pool
         self.wake = wake
-        self.layout = kv_layout(model.config, config.torch_dtype)
+        self.layout = kv_layout(model.config, activation_dtype(model), config.kv_storage)
         self.kv = pool.kv_view(self.layout)  # smaller models fit more tokens in a page
         self.runner = LLMRunner(model, self.kv, backend)
         text_config = model.config.get_text_config()

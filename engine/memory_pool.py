@@ -12,6 +12,7 @@ Plain Python bookkeeping on purpose: it is testable with no model and no GPU, an
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -19,26 +20,41 @@ from dataclasses import dataclass
 import torch
 
 from trae_groups.engine.errors import EngineError
+from trae_groups.kernels.kv_quant import SCALE_DTYPE, QuantKV
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The KV shape of one causal LM: what one token costs in every layer."""
+    """The KV shape of one causal LM: what one token costs in every layer.
+
+    ``dtype`` is what attention computes in (the model's); ``storage`` a one-byte dtype the
+    pages hold instead (int8, float8), with a float16 scale per token and KV head."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    storage: torch.dtype | None = None
 
     @property
     def bytes_per_token(self) -> int:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self._bytes_per_head
+
+    @property
+    def _bytes_per_head(self) -> int:
+        if self.storage is None:
+            return self.head_dim * _itemsize(self.dtype)
+        return self.head_dim * _itemsize(self.storage) + _itemsize(SCALE_DTYPE)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 class KVView:
     """A model's typed window onto the pool: per layer, K and V of shape
-    [num_pages, tokens_per_page, kv_heads, head_dim], views of the shared buffer."""
+    [num_pages, tokens_per_page, kv_heads, head_dim], views of the shared buffer
+    (``QuantKV`` pairs of values and scales when the layout has a quantized storage)."""
 
     def __init__(self, buffer: torch.Tensor, layout: KVLayout, tokens_per_page: int):
         self.layout = layout
@@ -49,19 +65,30 @@ class KVView:
         """View ``buffer`` (the pool's, again after a resize: holders of this view see it)."""
         layout, tokens_per_page = self.layout, self.tokens_per_page
         num_pages = buffer.shape[0]
-        used = tokens_per_page * layout.bytes_per_token
-        typed = buffer[:, :used].view(layout.dtype)
+        lay = layout
         # [pages, layers, 2 (k/v), tokens, heads, dim]; strides stay those of the buffer
-        shaped = typed.unflatten(
-            1, (layout.num_layers, 2, tokens_per_page, layout.num_kv_heads, layout.head_dim)
-        )
-        assert shaped.shape[0] == num_pages
-        self.k = [shaped[:, layer, 0] for layer in range(layout.num_layers)]
-        self.v = [shaped[:, layer, 1] for layer in range(layout.num_layers)]
+        dims = (lay.num_layers, 2, tokens_per_page, lay.num_kv_heads, lay.head_dim)
+        if lay.storage is None:
+            used = tokens_per_page * lay.bytes_per_token
+            shaped = buffer[:, :used].view(lay.dtype).unflatten(1, dims)
+            assert shaped.shape[0] == num_pages
+            self.k = [shaped[:, layer, 0] for layer in range(lay.num_layers)]
+            self.v = [shaped[:, layer, 1] for layer in range(lay.num_layers)]
+            return
+        # a page: every value first, then every scale (one per token and head)
+        n_values = math.prod(dims) * _itemsize(lay.storage)
+        n_scales = math.prod(dims[:-1]) * _itemsize(SCALE_DTYPE)
+        values = buffer[:, :n_values].view(lay.storage).unflatten(1, dims)
+        scales = buffer[:, n_values : n_values + n_scales].view(SCALE_DTYPE).unflatten(1, dims[:-1])
+        self.k, self.v = [], []
+        for layer in range(lay.num_layers):
+            self.k.append(QuantKV(values[:, layer, 0], scales[:, layer, 0], lay.dtype))
+            self.v.append(QuantKV(values[:, layer, 1], scales[:, layer, 1], lay.dtype))
 
     @property
     def wasted_bytes_per_page(self) -> int:
-        page_bytes = self.k[0].untyped_storage().nbytes() // self.k[0].shape[0]
+        first = self.k[0].values if isinstance(self.k[0], QuantKV) else self.k[0]
+        page_bytes = first.untyped_storage().nbytes() // first.shape[0]
         return page_bytes - self.tokens_per_page * self.layout.bytes_per_token
 
 

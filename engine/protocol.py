@@ -185,6 +185,7 @@ class EngineStats:
     weights: dict[str, WeightStats] = field(default_factory=dict)  # by loaded model's name
     residency: dict[str, ResidencyStats] = field(default_factory=dict)  # on-demand models
     weight_budget: int | None = None
+    kv_cache_dtype: str = "auto"  # EngineConfig.kv_cache_dtype: what the KV pages hold
 
     @property
     def pending(self) -> int:

@@ -24,7 +24,6 @@ import hashlib
 import logging
 import math
 import threading
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -33,6 +32,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from trae_groups.engine.config import QUANTIZATIONS
 from trae_groups.engine.errors import ModelLoadError
 from trae_groups.engine.memory import (
     distinct,
@@ -97,6 +97,7 @@ class LoadedModel:
     quantize: str | None = None
     policy: SharingPolicy = field(default_factory=SharingPolicy)
     loads: int = 1
+    choice: str | None = None  # why these weights, when dtype/quantization was "auto"
 
     @property
     def max_length(self) -> int:
@@ -136,6 +137,7 @@ class ModelReport:
     memory: str
     gpu: str
     loads: int  # how many load() calls returned this instance
+    choice: str | None = None  # why these weights, when dtype/quantization was "auto"
 
 
 class _Held:
@@ -229,7 +231,7 @@ class WeightStore:
                 _privatize(model)
             added = self._share(model) if policy.memory == "shared" else []
             if quantize == "int8":
-                _quantize_int8(model)
+                _quantize_int8(model, task)
             self._register(key, model, added)
             loaded = LoadedModel(
                 name=name or path.name,
@@ -416,6 +418,7 @@ class WeightStore:
             memory=loaded.policy.memory,
             gpu=loaded.policy.gpu,
             loads=loaded.loads,
+            choice=loaded.choice,
         )
 
     def total_bytes(self) -> int:
@@ -505,8 +508,10 @@ def _check_options(
         raise ModelLoadError(path, f"unknown task {task!r}; expected one of {TASKS}")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ModelLoadError(path, f"unsupported dtype {dtype}")
-    if quantize not in (None, "int8"):
-        raise ModelLoadError(path, f"unknown quantization {quantize!r}; expected 'int8'")
+    if quantize not in (None, *QUANTIZATIONS):
+        raise ModelLoadError(
+            path, f"unknown quantization {quantize!r}; expected one of {list(QUANTIZATIONS)}"
+        )
     if quantize == "int8" and (device.type != "cpu" or dtype != torch.float32):
         raise ModelLoadError(path, "int8 dynamic quantization runs on CPU from float32 weights")
 
@@ -664,8 +669,10 @@ def _privatize(model: nn.Module) -> None:
             module._buffers[name] = copies[id(t)]
 
 
-def _quantize_int8(model: nn.Module) -> None:
-    """Dynamic int8 for every Linear (weights int8, activations quantized per batch)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8, inplace=True)
+def _quantize_int8(model: nn.Module, task: str) -> None:
+    """int8 Linears (per-channel int8 weights, activations quantized per call): the one
+    mechanism for encoders and LLMs (``engine/quant.py`` says why this op). An LLM keeps its
+    MLP float (``LLM_KEEP_FLOAT``: outlier features in its activations)."""
+    from trae_groups.engine.quant import LLM_KEEP_FLOAT, quantize_linears
+
+    quantize_linears(model, keep_float=LLM_KEEP_FLOAT if task == "generate" else ())

@@ -1,7 +1,7 @@
 """Binds graphs to one engine: loads each model once and gives the executor a client
 per model version.
 
-Models are keyed by (folder, task, dtype): two graphs — or two model entries —
+Models are keyed by (folder, task, weights): two graphs — or two model entries —
 naming the same folder share one worker, one instance and one batcher, counted by
 reference so that unloading one user leaves the others serving. Versions are loaded
 like any model; the weight store holds their byte-identical tensors once.
@@ -10,6 +10,7 @@ like any model; the weight store holds their byte-identical tensors once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import logging
 import time
@@ -19,12 +20,15 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from trae_groups.engine.accuracy_gate import DEFAULT_MAX_DROP, read_eval_set
+from trae_groups.engine.auto_weights import load_auto
 from trae_groups.engine.batcher import BatcherConfig
 from trae_groups.engine.clients import LocalEncoder, LocalLLM
 from trae_groups.engine.config import DTYPES, EngineConfig
 from trae_groups.engine.encoder_worker import EncoderWorker
 from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.errors import ModelLoadError
+from trae_groups.engine.hardware import Hardware, detect
 from trae_groups.engine.llm_runner import ATTN_NAME
 from trae_groups.engine.memory import trim_heap
 from trae_groups.engine.protocol import EngineStats
@@ -57,8 +61,11 @@ class ModelRuntime:
         *,
         reserve_for: list[str | Path] = (),
         sharing: SharingPolicy | None = None,
+        hardware: Hardware | None = None,
     ):
+        """``hardware``: what "auto" weights are chosen for (None: detected when needed)."""
         self.config = config or EngineConfig()
+        self.hardware = hardware
         self.store = WeightStore(policy=sharing or SharingPolicy())
         self.engine = LLMEngine((), self.config, store=self.store, reserve_for=reserve_for)
         self._by_key: dict[tuple, _Loaded] = {}
@@ -67,9 +74,13 @@ class ModelRuntime:
         # the weight budget cannot hold every model at once: generate models that do not
         # say `resident: always` are resident on demand
         self.under_pressure = False
+        self._eval_paths: dict[int, Path | None] = {}  # id(ModelSpec) -> its eval_set file
 
     @classmethod
-    def for_specs(cls, specs: list[GraphSpec], config: EngineConfig | None = None) -> ModelRuntime:
+    def for_specs(
+        cls, specs: list[GraphSpec], config: EngineConfig | None = None,
+        hardware: Hardware | None = None,
+    ) -> ModelRuntime:  # fmt: skip
         llms = [
             spec.model_path(name, version)
             for spec in specs
@@ -80,7 +91,7 @@ class ModelRuntime:
         sharing = specs[0].sharing if specs else None
         policy = SharingPolicy(memory=sharing.memory, gpu=sharing.gpu) if sharing else None
         config = apply_resources(config or EngineConfig(), [spec.resources for spec in specs])
-        runtime = cls(config, reserve_for=llms, sharing=policy)
+        runtime = cls(config, reserve_for=llms, sharing=policy, hardware=hardware)
         runtime.under_pressure = _over_budget(specs, config)
         return runtime
 
@@ -142,6 +153,8 @@ class ModelRuntime:
                 raise ModelLoadError(
                     str(path), f"model {name!r}: an environment variable in its source is not set"
                 )
+        # eval_set files resolve like sources (from the graph file's folder); read when loading
+        self._eval_paths = {id(m): spec.eval_path(n) for n, m in spec.models.items()}
         new = {self._key(m, p) for _, _, m, p in wanted} - set(self._by_key)
         self._bar = tqdm(total=len(new), desc=f"loading {spec.name}", unit="model",
                          disable=None if new else True, leave=False)  # fmt: skip
@@ -198,18 +211,50 @@ class ModelRuntime:
 
     # -- models ------------------------------------------------------------------------
     def _key(self, spec: ModelSpec, path: Path) -> tuple:
-        """What makes two model entries one loaded model: folder, task, dtype and the
-        per-request limits an LLM enforces (its weights are shared all the same)."""
-        dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
+        """What makes two model entries one loaded model: folder, task, the weight options
+        (dtype, quantization, gate bound) and the per-request limits an LLM enforces (its
+        weights are shared all the same)."""
+        dtype = spec.dtype if spec.dtype == "auto" else self._dtype(spec)
+        weights = (dtype, spec.quantization, spec.max_accuracy_drop)
         limits = (spec.max_prompt_tokens, spec.max_tokens_limit)
-        return (str(Path(path).resolve()), spec.task, dtype, spec.resident, *limits)
+        return (str(Path(path).resolve()), spec.task, *weights, spec.resident, *limits)
 
-    def _load(self, path: Path, task: str, name: str, **kwargs: Any):
-        """One model through the weight store, with a log line (and a tick of the load
-        bar during ``bind``): loading a real model takes seconds to minutes."""
+    def _dtype(self, spec: ModelSpec):
+        return DTYPES.get(spec.dtype or "", self.config.torch_dtype)
+
+    def _load_weights(self, spec: ModelSpec, path: Path, task: str, name: str, **kwargs: Any):
+        """A model's weights as its spec asks: a fixed dtype/quantization, or "auto" (picked
+        from the hardware, then the accuracy gate; ``engine/auto_weights.py``)."""
+        quantize = None if spec.quantization in (None, "none") else spec.quantization
+        if "auto" not in (spec.dtype, quantize):
+            return self._load(path, task, name, dtype=self._dtype(spec), quantize=quantize,
+                              **kwargs)  # fmt: skip
+        if self.hardware is None:
+            self.hardware = detect(self.config.device)
+        bound = spec.max_accuracy_drop or DEFAULT_MAX_DROP
+        eval_path = self._eval_paths.get(id(spec))
+        examples = None
+        if eval_path is not None:
+            try:
+                examples = read_eval_set(eval_path)
+            except (OSError, ValueError) as exc:
+                raise ModelLoadError(str(eval_path), f"model {name!r}: eval_set: {exc}") from exc
+        loader = functools.partial(load_auto, hw=self.hardware, dtype_auto=spec.dtype == "auto",
+                                   quant_auto=quantize == "auto", base=self._dtype(spec),
+                                   bound=bound, eval_set=examples)  # fmt: skip
+        return self._load(path, task, name, loader=loader, **kwargs)
+
+    def _load(self, path: Path, task: str, name: str, loader=None, **kwargs: Any):
+        """One model through the weight store (or ``loader``, which returns it and its
+        decision), with a log line (and a tick of the load bar during ``bind``): loading a
+        real model takes seconds to minutes."""
         started = time.perf_counter()
         before = self.store.total_bytes()
-        loaded = self.store.load(path, task, device=self.config.device, name=name, **kwargs)
+        if loader is None:
+            loaded = self.store.load(path, task, device=self.config.device, name=name, **kwargs)
+        else:
+            loaded, _ = loader(self.store, path, task, device=self.config.device, name=name,
+                               **kwargs)  # fmt: skip
         added = self.store.total_bytes() - before
         log.info(
             "loaded model '%s' (%s) from %s in %.1f s: %.1f MB new in memory",
@@ -240,8 +285,7 @@ class ModelRuntime:
 
     def _load_llm(self, name: str, spec: ModelSpec, path: Path) -> tuple[LocalLLM, Any]:
         """A causal LM loaded and put on the engine: its client and its store entry."""
-        dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
-        loaded = self._load(path, "generate", name, dtype=dtype, attn_implementation=ATTN_NAME)
+        loaded = self._load_weights(spec, path, "generate", name, attn_implementation=ATTN_NAME)
         worker = self.engine.add_llm(
             name, path, model=loaded.model, tokenizer=loaded.tokenizer,
             max_num_seqs=spec.max_batch_size, max_prompt_tokens=spec.max_prompt_tokens,
@@ -263,7 +307,7 @@ class ModelRuntime:
 
             return Resident(client, unload)
 
-        dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
+        dtype = self.config.torch_dtype if spec.dtype == "auto" else self._dtype(spec)
         self.engine.residency.add(name, load, estimate_bytes(path, dtype))
         return OnDemandLLM(self.engine.residency, name)
 
@@ -274,13 +318,12 @@ class ModelRuntime:
         groups: list[tuple[set[int], list]] = []  # backbone tensor pointers, members
         seen: set[tuple] = set()
         for name, version, spec, path in wanted:
-            dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
             key = self._key(spec, path)
             if key in self._by_key or key in seen:
                 continue  # already served (or listed twice): _acquire shares it
             seen.add(key)
             head = self._free_name(name if version == "default" else f"{name}@{version}")
-            loaded = self._load(path, spec.task, head, dtype=dtype)
+            loaded = self._load_weights(spec, path, spec.task, head)
             backbone = loaded.model if spec.task == "embed" else loaded.model.base_model
             ptrs = {p.data_ptr() for p in backbone.parameters()}
             member = (name, version, spec, path, head, loaded)

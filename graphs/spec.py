@@ -25,6 +25,7 @@ from pydantic import (
 )
 from typing_extensions import TypedDict  # pydantic needs it before Python 3.12
 
+from trae_groups.engine.config import QUANTIZATIONS
 from trae_groups.graphs.deploy import DeploySpec
 from trae_groups.graphs.errors import SourceMap
 from trae_groups.graphs.nodes import (
@@ -56,6 +57,7 @@ from trae_groups.graphs.types import (
 )
 
 Task = Literal[TASKS]  # type: ignore[valid-type]  (the model tasks the node kinds run on)
+Quantization = Literal[("auto", "none", *QUANTIZATIONS)]  # type: ignore[valid-type]
 InputType = Literal["str", "int", "float", "bool", "list[str]", "messages"]
 
 __all__ = [
@@ -84,7 +86,13 @@ class ModelSpec(Spec):
     task: Task
     max_batch_size: int | None = Field(None, gt=0)
     max_queue_delay_ms: float | None = Field(None, ge=0)
+    # "auto": picked from the hardware and checked by the accuracy gate (engine/auto_weights.py)
     dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = None
+    quantization: Quantization | None = None
+    # the accuracy gate's bound for "auto" choices; None: DEFAULT_MAX_DROP
+    max_accuracy_drop: float | None = Field(None, gt=0, lt=1)
+    # classify models: a JSONL file of {"text", "label"} lines the gate scores accuracy on
+    eval_set: str | None = Field(None, min_length=1)
     max_prompt_tokens: int | None = Field(None, gt=0)  # generate models: longer prompts refused
     max_tokens_limit: int | None = Field(None, gt=0)  # generate models: the most one request asks
     # "on_demand": loaded at its first request, evicted when idle and the weight budget
@@ -116,6 +124,16 @@ class ModelSpec(Spec):
             raise ValueError(f"{limits[0]} is for generate models, not {self.task}")
         if self.resident == "on_demand" and self.task != "generate":
             raise ValueError(f"resident: on_demand is for generate models, not {self.task}")
+        if self.quantization == "int8" and self.dtype not in (None, "float32"):
+            raise ValueError(
+                f"quantization: int8 runs from float32 weights, not dtype {self.dtype}"
+            )
+        auto = "auto" in (self.dtype, self.quantization)
+        for name in ("max_accuracy_drop", "eval_set"):
+            if getattr(self, name) is not None and not auto:
+                raise ValueError(f"{name} is for an 'auto' dtype or quantization; set one")
+        if self.eval_set is not None and self.task != "classify":
+            raise ValueError(f"eval_set is for classify models, not {self.task}")
         return self
 
     @property
@@ -272,6 +290,15 @@ class GraphSpec(Spec):
         environment; relative paths count from the declaring file's folder."""
         sources = self.models[name].sources
         path = Path(os.path.expandvars(sources[version or next(iter(sources))])).expanduser()
+        base = self._source.base_dir if self._source else None
+        return path if path.is_absolute() or base is None else base / path
+
+    def eval_path(self, name: str) -> Path | None:
+        """A model's ``eval_set`` file, resolved like its source."""
+        given = self.models[name].eval_set
+        if given is None:
+            return None
+        path = Path(os.path.expandvars(given)).expanduser()
         base = self._source.base_dir if self._source else None
         return path if path.is_absolute() or base is None else base / path
 

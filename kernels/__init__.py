@@ -8,10 +8,13 @@ from trae_groups.kernels.backend import (
     select_backend,
 )
 from trae_groups.kernels.custom_ops import decode_attention  # registers torch.ops.trae.*
+from trae_groups.kernels.kv_quant import KV_STORAGE, QuantKV
 
 __all__ = [
+    "KV_STORAGE",
     "AttentionBackend",
     "PagedBatch",
+    "QuantKV",
     "available_backends",
     "decode_attention",
     "naive_attention",

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from trae_groups.kernels.kv_quant import QuantKV
+
 # At most this many K/V rows (sequences x padded context) gathered for one padded
 # prefill call; 32k rows of 8 KV heads x 128 dims in fp32 is 128 MiB each for K and V.
 MAX_PADDED_KEYS = 32768
@@ -100,16 +102,22 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """key/value [T, kv_heads, dim] into caches [pages, tokens_per_page, kv_heads, dim]."""
+    """key/value [T, kv_heads, dim] into caches [pages, tokens_per_page, kv_heads, dim]
+    (``QuantKV`` caches quantize them on the way in)."""
     page_size = k_cache.shape[1]
     pages = torch.div(slot_mapping, page_size, rounding_mode="floor")
     offsets = slot_mapping - pages * page_size
+    if isinstance(k_cache, QuantKV):
+        k_cache.store(pages, offsets, key)
+        v_cache.store(pages, offsets, value)
+        return
     k_cache[pages, offsets] = key
     v_cache[pages, offsets] = value
 
 
 def gather_kv(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """[n_pages] page ids → [n_pages * tokens_per_page, kv_heads, dim], whole pages at once."""
+    """[n_pages] page ids → [n_pages * tokens_per_page, kv_heads, dim], whole pages at once
+    (dequantized from a ``QuantKV``)."""
     return cache.index_select(0, pages).flatten(0, 1)
 
 

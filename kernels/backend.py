@@ -22,6 +22,33 @@ class AttentionBackend:
     # in another model's layout) must be cleared when a page is handed out; the Triton
     # kernels never load a slot past a sequence's length (tested with NaN there).
     needs_zeroed_pages: bool = True
+    # kv_cache_dtype values (besides "auto") its kernels read and write
+    kv_dtypes: tuple[str, ...] = ("int8", "fp8")
+
+    def check_kv(self, kv_cache_dtype: str, device: str | torch.device) -> None:
+        """Refuse a KV cache dtype this backend or device cannot hold (a clear error at
+        start-up, not a wrong answer later)."""
+        if kv_cache_dtype == "auto":
+            return
+        if kv_cache_dtype not in self.kv_dtypes:
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype!r}: the {self.name} attention backend "
+                f"supports {['auto', *self.kv_dtypes]}"
+            )
+        if kv_cache_dtype == "fp8" and not has_fp8(torch.device(device)):
+            raise ValueError(
+                "kv_cache_dtype 'fp8' needs a CUDA device of compute capability 8.9 or newer; "
+                f"{device} has none (use 'int8')"
+            )
+
+
+def has_fp8(device: torch.device) -> bool:
+    """float8 e4m3 storage and conversions in hardware: Ada/Hopper and newer GPUs."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.get_device_capability(device) >= (8, 9)
+    )
 
 
 def _torch_backend() -> AttentionBackend:
@@ -77,7 +104,11 @@ def _register_gpu_backends() -> None:
             "triton",
             tri.available,
             lambda: AttentionBackend(
-                "triton", tri.store_kv, tri.paged_attention, needs_zeroed_pages=False
+                "triton",
+                tri.store_kv,
+                tri.paged_attention,
+                needs_zeroed_pages=False,
+                kv_dtypes=tri.KV_DTYPES,
             ),
         )
     except Exception as exc:  # pragma: no cover - defensive
@@ -88,7 +119,7 @@ def _register_gpu_backends() -> None:
         register_backend(
             "flash_attn",
             fa.available,
-            lambda: AttentionBackend("flash_attn", fa.store_kv, fa.paged_attention),
+            lambda: AttentionBackend("flash_attn", fa.store_kv, fa.paged_attention, kv_dtypes=()),
         )
     except Exception as exc:  # pragma: no cover - defensive
         log.debug("flash_attn backend not registered: %s", exc)

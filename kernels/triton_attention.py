@@ -35,9 +35,11 @@ import os
 import torch
 
 from trae_groups.kernels.attention import PagedBatch
+from trae_groups.kernels.kv_quant import KV_STORAGE, MIN_SCALE, QuantKV
 
 _TRUE = ("1", "true", "yes", "on")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KV_DTYPES = ("int8",)  # quantized KV caches these kernels read and write (kv_quant.py)
 _LOG2E = 1.4426950408889634
 
 if os.environ.get("TRAE_TRITON_INTERPRET", "").strip().lower() in _TRUE:
@@ -133,11 +135,65 @@ def _store_kv_kernel(
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit(do_not_specialize=["num_tokens"])
+def _store_kv_int8_kernel(
+    x_ptr,
+    cache_ptr,
+    scale_ptr,
+    slot_ptr,
+    num_tokens,
+    s_slot,
+    sx_t,
+    sx_h,
+    sx_d,
+    sc_p,
+    sc_t,
+    sc_h,
+    sc_d,
+    ss_p,
+    ss_t,
+    ss_h,
+    PAGE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QMAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One (block of tokens, kv head): int8 values and a float16 scale, as kv_quant.quantize."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    head = tl.program_id(1)
+    t_ok = tok < num_tokens
+    slot = tl.load(slot_ptr + tok.to(tl.int64) * s_slot, mask=t_ok, other=-1).to(tl.int64)
+    t_ok = t_ok & (slot >= 0)
+    page = slot // PAGE
+    off = slot % PAGE
+    d = tl.arange(0, BLOCK_D)
+    ok = t_ok[:, None] & (d < HEAD_DIM)[None, :]
+    x = tl.load(
+        x_ptr + (tok.to(tl.int64) * sx_t + head * sx_h)[:, None] + (d * sx_d)[None, :],
+        mask=ok,
+        other=0.0,
+    ).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1) / QMAX, MIN_SCALE)
+    scale = scale.to(tl.float16).to(tl.float32)  # divide by the scale that is stored
+    q = x / scale[:, None]
+    q = tl.minimum(tl.maximum(tl.where(q >= 0, q + 0.5, q - 0.5), -QMAX), QMAX)  # round
+    tl.store(
+        cache_ptr + (page * sc_p + off * sc_t + head * sc_h)[:, None] + (d * sc_d)[None, :],
+        q.to(tl.int8),
+        mask=ok,
+    )
+    tl.store(scale_ptr + page * ss_p + off * ss_t + head * ss_h, scale.to(tl.float16), mask=t_ok)
+
+
 @triton.jit(do_not_specialize=["window", "chunk"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     table_ptr,
     ctx_ptr,
     out_ptr,
@@ -158,6 +214,12 @@ def _decode_kernel(
     sv_t,
     sv_h,
     sv_d,
+    sks_p,
+    sks_t,
+    sks_h,
+    svs_p,
+    svs_t,
+    svs_h,
     sb_s,
     sb_p,
     so_t,
@@ -168,6 +230,7 @@ def _decode_kernel(
     PAGE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
+    KV_QUANT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -194,7 +257,7 @@ def _decode_kernel(
         mask=h_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    if UPCAST:
+    if UPCAST or KV_QUANT:
         q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -224,6 +287,17 @@ def _decode_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        if KV_QUANT:
+            at = page * sks_p + off * sks_t + kv_head * sks_h
+            k = (
+                k.to(tl.float32)
+                * tl.load(k_scale_ptr + at, mask=valid, other=0.0).to(tl.float32)[:, None]
+            )
+            at = page * svs_p + off * svs_t + kv_head * svs_h
+            v = (
+                v.to(tl.float32)
+                * tl.load(v_scale_ptr + at, mask=valid, other=0.0).to(tl.float32)[:, None]
+            )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # every block holds a valid key: finite
@@ -296,6 +370,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     table_ptr,
     ctx_ptr,
     starts_ptr,
@@ -315,6 +391,12 @@ def _prefill_kernel(
     sv_t,
     sv_h,
     sv_d,
+    sks_p,
+    sks_t,
+    sks_h,
+    svs_p,
+    svs_t,
+    svs_h,
     sb_s,
     sb_p,
     so_t,
@@ -324,6 +406,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    KV_QUANT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -350,7 +433,7 @@ def _prefill_kernel(
         mask=r_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    if UPCAST:
+    if UPCAST or KV_QUANT:
         q = q.to(tl.float32)
 
     hi = tl.minimum(n_k, first + row0 + BLOCK_M)  # past the tile's last query: masked
@@ -384,6 +467,17 @@ def _prefill_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        if KV_QUANT:
+            at = page * sks_p + off * sks_t + kv_head * sks_h
+            k = (
+                k.to(tl.float32)
+                * tl.load(k_scale_ptr + at, mask=k_in, other=0.0).to(tl.float32)[:, None]
+            )
+            at = page * svs_p + off * svs_t + kv_head * svs_h
+            v = (
+                v.to(tl.float32)
+                * tl.load(v_scale_ptr + at, mask=k_in, other=0.0).to(tl.float32)[:, None]
+            )
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         see = (pos[None, :] <= q_pos[:, None]) & k_in[None, :]
         if HAS_WINDOW:
@@ -426,13 +520,30 @@ def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, n - 1).bit_length())
 
 
-def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def _unwrap(k_cache, v_cache) -> tuple[torch.Tensor, torch.Tensor, tuple | None]:
+    """Plain caches, or a quantized pair's values and (k scales, v scales); checked."""
+    if isinstance(k_cache, QuantKV) != isinstance(v_cache, QuantKV):
+        raise ValueError("k_cache and v_cache must both be quantized (QuantKV) or both plain")
+    if not isinstance(k_cache, QuantKV):
+        _check_caches(k_cache, v_cache)
+        return k_cache, v_cache, None
+    kc, vc = k_cache.values, v_cache.values
+    if kc.dtype != torch.int8 or vc.dtype != torch.int8:
+        raise ValueError(f"quantized caches: int8 values only here, got {kc.dtype}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache.scale.shape != cache.values.shape[:3] or cache.scale.dtype != torch.float16:
+            raise ValueError(f"{name}.scale: expected float16 {tuple(cache.values.shape[:3])}")
+    _check_caches(kc, vc, quantized=True)
+    return kc, vc, (k_cache.scale, v_cache.scale)
+
+
+def _check_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, quantized: bool = False) -> None:
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
             "k_cache/v_cache: expected equal shapes [num_pages, tokens_per_page, kv_heads, "
             f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    if k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
+    if (not quantized and k_cache.dtype not in _DTYPES) or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             f"k_cache/v_cache: dtype must be one of float32/float16/bfloat16 and equal, "
             f"got {k_cache.dtype} and {v_cache.dtype}"
@@ -478,8 +589,9 @@ def store_kv(
 ) -> None:
     """key/value [T, kv_heads, dim] into caches [pages, tokens_per_page, kv_heads, dim].
 
-    A negative slot is skipped (padding), unlike the reference, which has none."""
-    _check_caches(k_cache, v_cache)
+    A negative slot is skipped (padding), unlike the reference, which has none. ``QuantKV``
+    caches get int8 values and a float16 scale per token and head."""
+    k_cache, v_cache, scales = _unwrap(k_cache, v_cache)
     _, page, kv_heads, dim = k_cache.shape
     num_tokens = key.shape[0] if key.dim() else -1
     _check_tokens("key", key, num_tokens, kv_heads, dim, k_cache.device)
@@ -489,6 +601,9 @@ def store_kv(
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {num_tokens} tokens")
     _check_runnable(k_cache.device)
     if num_tokens == 0:
+        return
+    if scales is not None:
+        _store_quantized(key, value, k_cache, v_cache, scales, slot_mapping, num_tokens)
         return
     block_hd = _pow2(kv_heads * dim)
     block_t = max(1, min(64, 4096 // block_hd))
@@ -511,6 +626,31 @@ def store_kv(
         BLOCK_T=block_t,
         BLOCK_HD=block_hd,
     )
+
+
+def _store_quantized(key, value, k_cache, v_cache, scales, slot_mapping, num_tokens) -> None:
+    _, page, kv_heads, dim = k_cache.shape
+    block_d = _pow2(dim, 16)
+    block_t = max(1, min(64, 4096 // block_d))
+    grid = (triton.cdiv(num_tokens, block_t), kv_heads)
+    for x, cache, scale in ((key, k_cache, scales[0]), (value, v_cache, scales[1])):
+        _store_kv_int8_kernel[grid](
+            x,
+            cache,
+            scale,
+            slot_mapping,
+            num_tokens,
+            slot_mapping.stride(0),
+            *x.stride(),
+            *cache.stride(),
+            *scale.stride(),
+            PAGE=page,
+            HEAD_DIM=dim,
+            QMAX=KV_STORAGE["int8"][1],
+            MIN_SCALE=MIN_SCALE,
+            BLOCK_T=block_t,
+            BLOCK_D=block_d,
+        )
 
 
 def _batch_meta(batch: PagedBatch, num_tokens: int, device: torch.device) -> dict:
@@ -598,8 +738,10 @@ def paged_attention(
     """query [T, heads, dim]; key/value [T, kv_heads, dim] (new tokens, already stored).
 
     Returns [T, heads, dim] (contiguous). K/V are all read from the pages, so ``key`` and
-    ``value`` are only checked. ``num_splits`` overrides the decode key split (tests)."""
-    _check_caches(k_cache, v_cache)
+    ``value`` are only checked. ``num_splits`` overrides the decode key split (tests).
+    ``QuantKV`` caches are dequantized as they are read."""
+    compute = k_cache.dtype  # a QuantKV's is the model's dtype
+    k_cache, v_cache, scales = _unwrap(k_cache, v_cache)
     device = k_cache.device
     _, page, kv_heads, dim = k_cache.shape
     num_tokens = query.shape[0] if query.dim() else -1
@@ -609,8 +751,8 @@ def paged_attention(
     heads = query.shape[1]
     if heads % kv_heads:
         raise ValueError(f"query has {heads} heads, not a multiple of the {kv_heads} kv heads")
-    if query.dtype != k_cache.dtype:
-        raise ValueError(f"query is {query.dtype} but the caches are {k_cache.dtype}")
+    if query.dtype != compute:
+        raise ValueError(f"query is {query.dtype} but the caches are {compute}")
     if batch.tokens_per_page != page:
         raise ValueError(f"batch.tokens_per_page={batch.tokens_per_page}, caches hold {page}")
     if sliding_window is not None and sliding_window < 1:
@@ -622,10 +764,15 @@ def paged_attention(
         return out
 
     group = heads // kv_heads
-    consts = launch_constants(query.dtype, group, dim, page, sliding_window is not None)
+    consts = launch_constants(
+        query.dtype, group, dim, page, sliding_window is not None, scales is not None
+    )
     qk_scale = float(scale) * _LOG2E
     window = int(sliding_window or 0)
-    strides = (*query.stride(), *k_cache.stride(), *v_cache.stride(), *batch.block_tables.stride())
+    ks, vs = scales if scales is not None else (k_cache, v_cache)  # unread when not quantized
+    scale_strides = (*ks.stride()[:3], *vs.stride()[:3])
+    strides = (*query.stride(), *k_cache.stride(), *v_cache.stride(), *scale_strides,
+               *batch.block_tables.stride())  # fmt: skip
 
     nd = batch.num_decodes
     if nd:
@@ -644,6 +791,8 @@ def paged_attention(
             query,
             k_cache,
             v_cache,
+            ks,
+            vs,
             batch.block_tables,
             meta["context_lens"],
             out,
@@ -678,6 +827,8 @@ def paged_attention(
                 query,
                 k_cache,
                 v_cache,
+                ks,
+                vs,
                 batch.block_tables,
                 meta["context_lens"],
                 starts,
@@ -694,7 +845,7 @@ def paged_attention(
 
 
 def launch_constants(
-    dtype: torch.dtype, group: int, dim: int, page: int, has_window: bool
+    dtype: torch.dtype, group: int, dim: int, page: int, has_window: bool, kv_quant: bool = False
 ) -> dict[str, dict]:
     """Compile-time constants and launch options per kernel (also used by the compile test).
 
@@ -706,6 +857,7 @@ def launch_constants(
         HEAD_DIM=dim,
         PAGE=page,
         HAS_WINDOW=has_window,
+        KV_QUANT=kv_quant,  # int8 pages, dequantized to float32 as they are read
         # the interpreter's dot treats bfloat16 as raw uint16: give it fp32 operands
         UPCAST=INTERPRETED and dtype == torch.bfloat16,
         # fp32 caches get exact fp32 dots (not tf32): parity with the reference matters

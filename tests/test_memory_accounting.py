@@ -20,6 +20,7 @@ from trae_groups.engine.memory import (
     tensor_bytes,
     trim_heap,
 )
+from trae_groups.engine.quant import Int8Linear
 from trae_groups.engine.weights import WeightStore
 
 # ~67 MB of float32 weights: large enough that allocator noise is a small share of it,
@@ -97,10 +98,12 @@ def test_int8_weights_are_counted_at_their_size(llama_dir):
     plain = store.load(llama_dir, "generate")
     quantized = store.load(llama_dir, "generate", quantize="int8")
     rows = {r.quantize: r for r in store.report()}
-    linears = [m for m in plain.model.modules() if isinstance(m, nn.Linear)]
-    float_bytes = sum(m.weight.numel() * 4 for m in linears)
-    int8_bytes = sum(m.weight.numel() for m in linears)
-    # same embeddings and norms; the linears count one byte per weight, not zero
+    int8 = {n: m for n, m in quantized.model.named_modules() if isinstance(m, Int8Linear)}
+    assert int8  # an LLM keeps its MLP float (engine/quant.py); the rest is int8
+    plain_modules = dict(plain.model.named_modules())
+    float_bytes = sum(plain_modules[n].weight.numel() * 4 for n in int8)
+    int8_bytes = sum(m.in_features * m.out_features for m in int8.values())
+    # same embeddings, norms and float linears; int8 linears count one byte per weight
     assert rows["int8"].bytes - (rows[None].bytes - float_bytes) >= int8_bytes
     assert rows["int8"].private_bytes >= int8_bytes
     assert quantized.model is not plain.model

@@ -172,7 +172,8 @@ def test_inference_latency_is_a_histogram_in_ms_with_the_agreed_buckets(http):
 def test_engine_pool_and_backend_are_reported(http, server):
     samples = scrape(http)
     info = [dict(labels) for name, labels in samples if name == "trae_engine_info"]
-    expected = {"attention_backend": "torch", "device": "cpu", "dtype": "float32"}
+    expected = {"attention_backend": "torch", "device": "cpu", "dtype": "float32",
+                "kv_cache_dtype": "auto"}  # fmt: skip
     assert info == [{**expected, "replica": "local"}]
     capacity = value(samples, "trae_pool_capacity_pages", replica="local")
     assert capacity == server.state.runtime.engine.pool.num_pages

@@ -445,7 +445,7 @@ _I32_PTRS = ("starts_ptr", "tile_seq_ptr", "tile_row_ptr")
 _OPTIONS = ("num_warps", "num_stages")
 
 
-def _compile_sm90(fn, dtype: str, consts: dict) -> None:
+def _compile_sm90(fn, dtype: str, consts: dict, pointers: dict | None = None) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -455,6 +455,8 @@ def _compile_sm90(fn, dtype: str, consts: dict) -> None:
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name in (pointers or {}):
+            signature[name] = pointers[name]
         elif name in _INDEX_PTRS:
             signature[name] = _INDEX_PTRS[name]
         elif name in _I32_PTRS:
@@ -493,3 +495,62 @@ def test_kernels_compile_for_hopper(dtype, group, dim, window):
             dtype,
             dict(PAGE=16, HEAD_DIM=dim, HEAD_ELEMS=2 * dim, BLOCK_T=16, BLOCK_HD=2 * dim),
         )
+
+
+# ---------------------------------------------------------------------------------------
+# int8 KV pages (kernels/kv_quant.py): the Triton kernels against the torch reference
+# ---------------------------------------------------------------------------------------
+
+
+def run_int8_case(case: Case) -> dict[str, torch.Tensor]:
+    """Cached tokens quantized into int8 pages; the new ones stored by each backend's own
+    store_kv; both attend over the int8 pages."""
+    from trae_groups.kernels.kv_quant import QuantKV, quantize
+
+    q, k, v, kc, vc, batch, keys, values = make_case(
+        list(case.q_lens), list(case.ctx_lens), case.heads, case.kv_heads, page=case.page,
+        dim=case.dim, seed=case.seed, num_pages=sum(-(-c // case.page) for c in case.ctx_lens) + 3,
+    )  # fmt: skip
+
+    def caches():
+        return tuple(QuantKV(*quantize(c, torch.int8), torch.float32) for c in (kc, vc))
+
+    scale = case.dim**-0.5
+    (rk, rv), (tk, tv) = caches(), caches()
+    store_kv(k, v, rk, rv, batch.slot_mapping)
+    want = paged_attention(q, k, v, rk, rv, batch, scale, case.window)
+    tri.store_kv(k, v, tk, tv, batch.slot_mapping)
+    got = tri.paged_attention(q, k, v, tk, tv, batch, scale, case.window)
+    dense = naive_attention(q, keys, values, batch.query_starts, scale, case.window)
+    return {"got": got, "reference": want, "dense": dense, "values": (tk.values, rk.values),
+            "scales": (tk.scale, rk.scale)}  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_int8_kv_pages_match_the_torch_reference(interpreter, window):
+    case = replace(MIXED, heads=4, kv_heads=2, window=window, dim=16)
+    res = interpreter.submit(run_int8_case, case).result(timeout=280)
+    # the same quantization: scales equal, values equal but for rounding ties (+-1)
+    torch.testing.assert_close(*res["scales"], atol=0, rtol=0)
+    assert int((res["values"][0].int() - res["values"][1].int()).abs().max()) <= 1
+    # reading the same int8 pages: only summation order differs. (The reference's fresh
+    # prefills read the new float K/V, not the pages: hence the looser bound for those rows.)
+    torch.testing.assert_close(res["got"], res["reference"], atol=2e-2, rtol=2e-2)
+    # against float attention: int8 with a per-token, per-head scale is ~0.4% per value
+    torch.testing.assert_close(res["got"], res["dense"], atol=3e-2, rtol=3e-2)
+
+
+_INT8_PAGES = {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8", "cache_ptr": "*i8",
+               "k_scale_ptr": "*fp16", "v_scale_ptr": "*fp16", "scale_ptr": "*fp16"}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")
+@pytest.mark.skipif(tri.INTERPRETED, reason="this process runs triton interpreted")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_int8_kv_kernels_compile_for_hopper(dtype):
+    consts = tri.launch_constants(DTYPES[dtype], 4, 128, 16, True, kv_quant=True)
+    _compile_sm90(tri._decode_kernel, dtype, {**consts["decode"], "SPLIT": False}, _INT8_PAGES)
+    _compile_sm90(tri._prefill_kernel, dtype, consts["prefill"], _INT8_PAGES)
+    store = dict(PAGE=16, HEAD_DIM=128, QMAX=127.0, MIN_SCALE=2.0**-24, BLOCK_T=32, BLOCK_D=128)
+    _compile_sm90(tri._store_kv_int8_kernel, dtype, store, _INT8_PAGES)

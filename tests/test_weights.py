@@ -222,7 +222,7 @@ class TestOptions:
         store = WeightStore()
         ref = store.load(models["v1"], "classify").model
         q = store.load(models["v1"], "classify", quantize="int8")
-        assert "quantized" in type(q.model.classifier).__module__
+        assert type(q.model.classifier).__name__ == "Int8Linear"
         ids = torch.randint(5, 128, (8, 16))
         with torch.no_grad():
             a = torch.softmax(ref(input_ids=ids).logits, -1)

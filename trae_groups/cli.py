@@ -61,6 +61,11 @@ def _print_json(data: Any) -> None:
 # ---------------------------------------------------------------- engine options
 
 
+# engine.config.KV_CACHE_DTYPES, spelled out so that parsing imports no torch (a test checks
+# the two agree)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
+
 def _engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--pool-bytes", type=parse_size, help="memory pool size, e.g. 512MiB")
@@ -76,6 +81,10 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
         "--weight-budget", type=parse_size, default=None,
         help="weights held at once, e.g. 2GiB: on-demand models are evicted to fit "
         "(default: the graph's resources:, else no limit)",
+    )  # fmt: skip
+    group.add_argument(
+        "--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+        help="what KV pages hold: auto (the model's dtype), int8, fp8 (CUDA 8.9+)",
     )  # fmt: skip
 
 
@@ -100,6 +109,7 @@ def _engine_config(args: argparse.Namespace):
         "attention_backend": args.attention_backend,
         "weight_budget": args.weight_budget,
         "gpu_memory_reservation": args.gpu_memory_reservation,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     return dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
 
@@ -283,15 +293,18 @@ def cmd_model_info(args: argparse.Namespace) -> int:
             "device": r.device,
             "dtype": r.dtype,
             "resident": "always",
+            "quantize": r.quantize,
         }
+        if any(x.choice for x in reports):  # "auto" weights: what was chosen and why
+            row["chosen"] = r.choice
         if args.detail:
-            row.update(path=r.path, quantize=r.quantize, memory=r.memory, gpu=r.gpu, loads=r.loads)
+            row.update(path=r.path, memory=r.memory, gpu=r.gpu, loads=r.loads)
             row["used_by"] = users.get(r.name, [])
         rows.append(row)
     for name, stats in on_demand.items():  # not loaded: what its files say it will hold
         row = {"name": name, "task": "generate", "parameters": None, "bytes": stats.bytes,
                "shared_bytes": 0, "private_bytes": 0, "device": config.device,
-               "dtype": config.dtype, "resident": "on_demand"}  # fmt: skip
+               "dtype": config.dtype, "resident": "on_demand", "quantize": None}  # fmt: skip
         if args.detail:
             row["used_by"] = users.get(name, [])
         rows.append(row)

@@ -276,7 +276,7 @@ class EngineCollector(Collector):
         info.add_metric(
             [],
             {"attention_backend": stats.attention_backend, "device": stats.device,
-             "dtype": stats.dtype},
+             "dtype": stats.dtype, "kv_cache_dtype": stats.kv_cache_dtype},
         )  # fmt: skip
         yield info
         steps = CounterMetricFamily("trae_engine_steps", "Batches the engine loop has run")

@@ -129,6 +129,7 @@ def summed(stats: list[EngineStats]) -> EngineStats | None:
     return EngineStats(
         first.device, first.dtype, first.attention_backend,
         sum(s.steps for s in stats), sum(s.busy_seconds for s in stats), pool, models,
+        first.kv_cache_dtype,
     )  # fmt: skip
 
 

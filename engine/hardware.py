@@ -1,0 +1,62 @@
+"""What the device can do fast, as a plain value: ``dtype: auto`` / ``quantization: auto`` read it.
+
+A ``Hardware`` is built by ``detect()`` from /proc/cpuinfo and torch, or by hand in tests, so
+the choice it drives is a pure function of it (``engine/auto_weights.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# CPU flags that change what is fast (names as /proc/cpuinfo spells them)
+INT8_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """device: "cpu" or "cuda"; cpu_flags: the CPU's feature flags that matter here;
+    cuda_capability: (major, minor) of the GPU, None on CPU."""
+
+    device: str = "cpu"
+    cpu_flags: frozenset[str] = frozenset()
+    cuda_capability: tuple[int, int] | None = None
+
+    @property
+    def int8_dot(self) -> bool:
+        """int8 dot products in hardware (VNNI or AMX)."""
+        return bool(self.cpu_flags & INT8_FLAGS)
+
+    @property
+    def bf16_math(self) -> bool:
+        """bfloat16 matmuls in hardware: AVX512-BF16/AMX on CPU, Ampere (8.0) and newer GPUs."""
+        if self.device == "cuda":
+            return self.cuda_capability is not None and self.cuda_capability >= (8, 0)
+        return bool(self.cpu_flags & BF16_FLAGS)
+
+    def describe(self) -> str:
+        if self.device == "cuda":
+            return f"cuda capability {self.cuda_capability}"
+        flags = sorted(self.cpu_flags & (INT8_FLAGS | BF16_FLAGS))
+        return "cpu " + ("+".join(flags) if flags else "without int8/bf16 instructions")
+
+
+def detect(device: str | torch.device = "cpu") -> Hardware:
+    """The hardware a model on ``device`` runs on."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return Hardware("cuda", cuda_capability=torch.cuda.get_device_capability(device))
+    return Hardware("cpu", cpu_flags=_cpu_flags() & (INT8_FLAGS | BF16_FLAGS))
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
