@@ -118,6 +118,7 @@ class LocalLLM:
             request_id=request.request_id,
             sink=stream.put,
             priority=request.priority,
+            adapter=request.adapter,
         )
         return stream
 

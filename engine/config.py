@@ -35,6 +35,10 @@ class EngineConfig:
     attention_backend: str | None = None  # None: best available
     scheduling: str = "graph"  # "graph": deeper, then older work first; "fifo": older first
     num_threads: int | None = None
+    # LoRA adapters of one model resident at once (more are loaded on demand, least recently
+    # used evicted) and the highest adapter rank a model takes (its slots are this wide)
+    max_loras: int = 4
+    max_lora_rank: int = 16
     # torch.compile decode-only steps (CPU), the batch padded up to one of these sizes; each is
     # compiled when the model is added (seconds each); other steps run eagerly
     compile: bool = False
@@ -47,12 +51,14 @@ class EngineConfig:
             raise ValueError("pool_bytes: must be > 0")
         if not 0.0 < self.pool_fraction <= 0.95:
             raise ValueError("pool_fraction: must be in (0, 0.95]")
-        for name in ("tokens_per_page", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("tokens_per_page", "max_num_seqs", "max_num_batched_tokens", "max_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
         for name in ("long_prefill_token_threshold", "max_prompt_tokens", "max_tokens_limit"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1 (or None)")
+        if self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank: must be >= 1")
         if self.scheduling not in ("graph", "fifo"):
             raise ValueError(f"scheduling: must be 'graph' or 'fifo', got {self.scheduling!r}")
         if not self.compile_batch_sizes or min(self.compile_batch_sizes) < 1:

@@ -70,6 +70,7 @@ class GenerateRequest:
     priority: Priority = field(default_factory=Priority)
     session: str | None = None  # requests of one session go to one replica (prefix cache)
     tools: tuple[dict, ...] | None = None  # function tools the chat template shows
+    adapter: str | None = None  # a LoRA adapter on the model (None: the base model)
 
     def __post_init__(self):
         if (self.prompt is None) == (self.messages is None):

@@ -1,0 +1,89 @@
+"""The grouped low-rank update of batched LoRA: every row adds its own adapter's ``B @ A @ x``.
+
+One step of the engine holds rows of many sequences, each with its adapter or none. The
+adapters of one model sit in slots of two stacked tensors per targeted linear, ``a``
+``[slots, rank, in]`` and ``b`` ``[slots, rank, out]`` (the scaling folded into ``b``,
+ranks below the stack's zero-padded), and a step says which slot each row uses
+(``LoraRows``). The update is added in place to what the base linear computed, so the
+base stays whatever module it is (plain, oneDNN-packed, quantized) and no weight is ever
+merged.
+
+This torch function is the reference and the CPU path: one shrink and one expand matmul
+per adapter present in the step (a segment matmul), at that adapter's own rank. The
+Triton kernel (``triton_lora.py``) does the same per row, gathering each row's slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoraRows:
+    """Which adapter slot each row of a step uses.
+
+    ``slots`` [T] (long, -1: the base alone); ``groups`` the same facts grouped, one
+    ``(slot, rows)`` per slot present, where ``rows`` holds the row indices (None when the
+    slot covers every row: no gather, no scatter).
+    """
+
+    slots: torch.Tensor
+    groups: tuple[tuple[int, torch.Tensor | None], ...]
+
+    @property
+    def num_rows(self) -> int:
+        return self.slots.shape[0]
+
+
+def lora_update(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    ranks: list[int],
+    rows: LoraRows,
+) -> torch.Tensor:
+    """``y[t] += x[t] @ a[s, :r].T @ b[s, :r]`` for every row t of slot s (rank r), in place.
+
+    x [T, in], y [T, out]; a [S, R, in]; b [S, R, out]; ``ranks[s]`` is slot s's rank in
+    this linear (0: its adapter does not target it). Returns y.
+    """
+    _check(y, x, a, b, rows)
+    for slot, idx in rows.groups:
+        rank = ranks[slot]
+        if rank == 0:
+            continue
+        xs = x if idx is None else x.index_select(0, idx)
+        delta = (xs @ a[slot, :rank].T) @ b[slot, :rank]
+        if idx is None:
+            y.add_(delta)
+        else:
+            y.index_add_(0, idx, delta)
+    return y
+
+
+def lora_update_reference(
+    y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """Row by row, from the slot index alone (padded ranks are zero): the test oracle."""
+    out = y.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            out[t] += (a[slot] @ x[t]) @ b[slot]
+    return out
+
+
+def _check(y, x, a, b, rows: LoraRows) -> None:
+    if x.dim() != 2 or y.dim() != 2 or x.shape[0] != y.shape[0]:
+        raise ValueError(f"lora_update: x {tuple(x.shape)} and y {tuple(y.shape)} must be [T, *]")
+    if a.dim() != 3 or b.dim() != 3 or a.shape[:2] != b.shape[:2]:
+        raise ValueError(f"lora_update: stacks a {tuple(a.shape)}, b {tuple(b.shape)} disagree")
+    if a.shape[2] != x.shape[1] or b.shape[2] != y.shape[1]:
+        raise ValueError(
+            f"lora_update: a {tuple(a.shape)} / b {tuple(b.shape)} do not fit "
+            f"x {tuple(x.shape)} -> y {tuple(y.shape)}"
+        )
+    if rows.num_rows != x.shape[0]:
+        raise ValueError(f"lora_update: {rows.num_rows} row slots for {x.shape[0]} rows")
