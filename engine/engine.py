@@ -109,10 +109,12 @@ class LLMEngine:
         max_num_seqs: int | None = None,
         max_prompt_tokens: int | None = None,
         max_tokens_limit: int | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
     ) -> LLMWorker:
         """Load a causal LM (or take one already loaded with our attention) onto the
-        engine; ``max_num_seqs``, ``max_prompt_tokens`` and ``max_tokens_limit``
-        override the engine's for this model."""
+        engine; ``max_num_seqs``, ``max_prompt_tokens``, ``max_tokens_limit``,
+        ``max_loras`` and ``max_lora_rank`` override the engine's for this model."""
         if name in self.loop.workers:
             raise ValueError(f"a model named {name!r} is already on this engine")
         if model is None:
@@ -124,13 +126,16 @@ class LLMEngine:
 
             if fast_linear_available():
                 pack_linears(model)
-        config = self.config
-        if max_num_seqs is not None:
-            config = dataclasses.replace(config, max_num_seqs=max_num_seqs)
-        if max_prompt_tokens is not None:
-            config = dataclasses.replace(config, max_prompt_tokens=max_prompt_tokens)
-        if max_tokens_limit is not None:
-            config = dataclasses.replace(config, max_tokens_limit=max_tokens_limit)
+        overrides = {
+            "max_num_seqs": max_num_seqs,
+            "max_prompt_tokens": max_prompt_tokens,
+            "max_tokens_limit": max_tokens_limit,
+            "max_loras": max_loras,
+            "max_lora_rank": max_lora_rank,
+        }
+        config = dataclasses.replace(
+            self.config, **{k: v for k, v in overrides.items() if v is not None}
+        )
         worker = LLMWorker(
             name,
             model,

@@ -265,6 +265,7 @@ class GenerateNode(NodeBase):
     messages: Messages | None = None
     params: GenerateParams = GenerateParams()
     output_schema: dict[str, JsonValue] | None = None
+    adapter: str | None = None  # one of the model's LoRA ``adapters`` (None: the base)
     _sampling: SamplingParams | None = PrivateAttr(None)
 
     @model_validator(mode="after")
@@ -323,6 +324,7 @@ async def _generate(call: NodeCall) -> dict:
             prompt=str(prompt),
             priority=call.priority,
             session=call.session,
+            adapter=node.adapter,
         )
     else:
         messages = tuple(call.payload["messages"])
@@ -332,6 +334,7 @@ async def _generate(call: NodeCall) -> dict:
             messages=messages,
             priority=call.priority,
             session=call.session,
+            adapter=node.adapter,
         )
     pieces: list[str] = []
     last = None

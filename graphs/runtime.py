@@ -20,7 +20,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from trae_groups.engine.batcher import BatcherConfig
-from trae_groups.engine.clients import LocalEncoder, LocalLLM
+from trae_groups.engine.clients import AdapterClient, LocalEncoder, LocalLLM
 from trae_groups.engine.config import DTYPES, EngineConfig
 from trae_groups.engine.encoder_worker import EncoderWorker
 from trae_groups.engine.engine import LLMEngine
@@ -120,14 +120,46 @@ class ModelRuntime:
                          disable=None if new else True, leave=False)  # fmt: skip
         try:
             shared = self._load_encoders([w for w in wanted if w[2].task != "generate"])
-            return {
+            clients = {
                 (name, version): shared.get((name, version))
                 or self._acquire(name, version, model, path)
                 for name, version, model, path in wanted
             }
+            for name in chosen:
+                clients.update(self._with_adapters(spec, name, clients))
+            return clients
         finally:
             self._bar.close()
             self._bar = None
+
+    def _with_adapters(self, spec: GraphSpec, name: str, clients: dict) -> dict:
+        """Register the model's LoRA adapters on its worker(s); a version that is an adapter
+        gets a client of its own on the base's worker (returned, keyed (model, version))."""
+        model = spec.models[name]
+        for version in model.sources:
+            if version not in model.version_adapters and model.adapters:
+                worker = clients[(name, version)].worker
+                for adapter, folder in model.adapters.items():
+                    self._register(worker, adapter, spec.adapter_path(folder))
+        versions = {}
+        for version, folder in model.version_adapters.items():
+            base = clients[(name, version)]
+            self._register(base.worker, version, spec.adapter_path(folder))
+            versions[(name, version)] = AdapterClient(base, version)
+        return versions
+
+    @staticmethod
+    def _register(worker, adapter: str, folder: Path) -> None:
+        """Register an adapter once; the same name from another folder is refused."""
+        folder = Path(folder).expanduser().resolve()
+        held = worker.adapters.get(adapter) if worker.adapters is not None else None
+        if held is None:
+            worker.add_adapter(adapter, str(folder))
+        elif held.path != str(folder):
+            raise ModelLoadError(
+                str(folder),
+                f"model {worker.name!r} already has an adapter {adapter!r} from {held.path}",
+            )
 
     def release(self, executor: GraphExecutor) -> None:
         """A graph no longer served (replaced by a reload, or removed): drop its models'
@@ -174,7 +206,7 @@ class ModelRuntime:
         """What makes two model entries one loaded model: folder, task, dtype and the
         per-request limits an LLM enforces (its weights are shared all the same)."""
         dtype = DTYPES.get(spec.dtype or "", self.config.torch_dtype)
-        limits = (spec.max_prompt_tokens, spec.max_tokens_limit)
+        limits = (spec.max_prompt_tokens, spec.max_tokens_limit, spec.max_loras, spec.max_lora_rank)
         return (str(Path(path).resolve()), spec.task, dtype, *limits)
 
     def _load(self, path: Path, task: str, name: str, **kwargs: Any):
@@ -209,7 +241,8 @@ class ModelRuntime:
         worker = self.engine.add_llm(
             worker_name, path, model=loaded.model, tokenizer=loaded.tokenizer,
             max_num_seqs=spec.max_batch_size, max_prompt_tokens=spec.max_prompt_tokens,
-            max_tokens_limit=spec.max_tokens_limit,
+            max_tokens_limit=spec.max_tokens_limit, max_loras=spec.max_loras,
+            max_lora_rank=spec.max_lora_rank,
         )  # fmt: skip
         client = LocalLLM(worker, lambda: self.engine.loop.running)
         self._by_key[key] = _Loaded(client, worker, str(path))
@@ -258,6 +291,7 @@ class ModelRuntime:
         return clients
 
     def _release(self, client: Any) -> None:
+        client = getattr(client, "base", client)  # an adapter version: its base's reference
         for key, entry in list(self._by_key.items()):
             if entry.client is client:
                 entry.users -= 1

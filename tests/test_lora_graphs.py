@@ -1,0 +1,183 @@
+"""LoRA adapters in graphs: a model's ``adapters:``, a generate node's ``adapter:``, and
+versions that are adapters on the model's base (routed and sticky like any version)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from conftest import LORA_VARIANTS, build_lora
+from trae_groups.engine import EngineConfig, ModelLoadError
+from trae_groups.engine.protocol import GenerateRequest
+from trae_groups.engine.sampling import SamplingParams
+from trae_groups.graphs.errors import GraphValidationError
+from trae_groups.graphs.loader import load_graph_text
+from trae_groups.graphs.runtime import ModelRuntime
+
+PARAMS = "{max_tokens: 8, temperature: 0}"
+
+
+@pytest.fixture(scope="module")
+def loras(llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("graph-loras")
+    return {
+        name: build_lora(root / name, llama_dir, seed=i, **LORA_VARIANTS[name])
+        for i, name in enumerate(("short", "mlp"))
+    }
+
+
+def start(text: str):
+    spec = load_graph_text(text, "lora.yaml")
+    rt = ModelRuntime.for_specs([spec], EngineConfig(pool_bytes=4 << 20, fast_linear=False))
+    executor = rt.bind(spec)
+    rt.start()
+    return rt, executor
+
+
+async def alone(client, text: str, adapter: str | None = None) -> str:
+    """What the model generates for this prompt with this adapter, outside any graph."""
+    request = GenerateRequest(
+        "alone", SamplingParams(max_tokens=8, temperature=0), prompt=text, adapter=adapter
+    )
+    return "".join([chunk.text async for chunk in client.generate(request)])
+
+
+def test_generate_nodes_pick_adapters_of_one_model(llama_dir, loras):
+    rt, executor = start(f"""
+name: lora
+models:
+  dialog:
+    source: {llama_dir}
+    task: generate
+    adapters: {{short: {loras["short"]}, mlp: {loras["mlp"]}}}
+    max_loras: 2
+inputs: {{text: str}}
+nodes:
+  plain: {{model: dialog, prompt: "{{{{ inputs.text }}}}", params: {PARAMS}}}
+  terse: {{model: dialog, adapter: short, prompt: "{{{{ inputs.text }}}}", params: {PARAMS}}}
+  deep: {{model: dialog, adapter: mlp, prompt: "{{{{ inputs.text }}}}", params: {PARAMS}}}
+outputs: {{plain: plain.text, terse: terse.text, deep: deep.text}}
+""")
+    try:
+        texts = ["hello world", "the quick brown fox", "book a flight to Paris"]
+
+        async def go():
+            results = await asyncio.gather(*(executor.run({"text": t}) for t in texts))
+            client = executor.models["dialog"].clients["default"]
+            for text, result in zip(texts, results, strict=True):
+                assert result.outputs["plain"] == await alone(client, text)
+                assert result.outputs["terse"] == await alone(client, text, "short")
+                assert result.outputs["deep"] == await alone(client, text, "mlp")
+            return results
+
+        results = asyncio.run(go())
+        outputs = [r.outputs for r in results]
+        assert any(o["terse"] != o["plain"] for o in outputs)
+        assert any(o["deep"] != o["plain"] for o in outputs)
+        worker = executor.models["dialog"].clients["default"].worker
+        assert worker.adapters.names() == ["mlp", "short"]
+        assert worker.adapters.max_loras == 2  # the model entry's max_loras reached the engine
+    finally:
+        rt.shutdown()
+
+
+def test_a_version_that_is_an_adapter_gets_its_share_and_sticks(llama_dir, loras):
+    rt, executor = start(f"""
+name: lora
+models:
+  dialog:
+    task: generate
+    versions: {{v1: {llama_dir}, v2: {{adapter: {loras["short"]}}}}}
+    route: {{v1: 50, v2: 50}}
+    sticky: user
+inputs: {{text: str, user: {{type: str, default: anonymous}}}}
+nodes:
+  reply: {{model: dialog, prompt: "{{{{ inputs.text }}}}", params: {PARAMS}}}
+outputs: {{reply: reply.text}}
+""")
+    try:
+        users = [f"user-{i}" for i in range(24)]
+
+        async def go():
+            return await asyncio.gather(
+                *(executor.run({"text": "hello world", "user": u}) for u in users * 2)
+            )
+
+        results = asyncio.run(go())
+        chosen = [r.versions["dialog"] for r in results]
+        assert set(Counter(chosen)) == {"v1", "v2"}  # 24 users over 50/50: both get some
+        assert chosen[:24] == chosen[24:]  # the same user, the same version
+        clients = executor.models["dialog"].clients
+        assert clients["v2"].base is clients["v1"]  # one worker, one copy of the base
+
+        async def expected():
+            return {
+                "v1": await alone(clients["v1"], "hello world"),
+                "v2": await alone(clients["v1"], "hello world", "v2"),
+            }
+
+        texts = asyncio.run(expected())
+        assert texts["v1"] != texts["v2"]
+        for result in results:
+            assert result.outputs["reply"] == texts[result.versions["dialog"]]
+    finally:
+        rt.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("model", "node", "message"),
+    [
+        ("adapters: {a: ./x}", "adapter: b", "model 'm' has no adapter 'b' (its adapters: ['a'])"),
+        ("", "adapter: a", "model 'm' has no adapter 'a' (it has no adapters)"),
+    ],
+)
+def test_a_node_naming_an_unknown_adapter_is_a_load_error(llama_dir, model, node, message):
+    text = f"""
+name: lora
+models:
+  m: {{source: {llama_dir}, task: generate, {model}}}
+nodes:
+  reply: {{model: m, {node}, prompt: "hi"}}
+outputs: {{reply: reply.text}}
+"""
+    with pytest.raises(GraphValidationError) as info:
+        load_graph_text(text, "lora.yaml")
+    assert message in str(info.value)
+    assert "lora.yaml:6" in str(info.value) and "reply" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("{source: ./e, task: classify, adapters: {a: ./x}}", "for generate models, not classify"),
+        ("{task: generate, versions: {v1: {adapter: ./x}}}", "need a version that is a model"),
+        ("{task: generate, versions: {v1: ./m, a: {adapter: ./x}}, adapters: {a: ./y}}",
+         "['a'] name both a version and an adapter"),
+        ("{source: ./m, task: generate, max_loras: 0}", "greater than 0"),
+    ],
+)  # fmt: skip
+def test_bad_adapter_declarations_are_load_errors(model, message):
+    text = f"name: lora\nmodels:\n  m: {model}\n"
+    with pytest.raises(GraphValidationError) as info:
+        load_graph_text(text, "lora.yaml")
+    assert message in str(info.value) and "lora.yaml:3" in str(info.value)
+
+
+def test_a_bad_adapter_folder_fails_the_bind_naming_it(llama_dir, tmp_path):
+    (tmp_path / "broken").mkdir()
+    spec = load_graph_text(f"""
+name: lora
+models:
+  m: {{source: {llama_dir}, task: generate, adapters: {{a: {tmp_path / "broken"}}}}}
+nodes:
+  reply: {{model: m, adapter: a, prompt: "hi"}}
+outputs: {{reply: reply.text}}
+""")
+    rt = ModelRuntime.for_specs([spec], EngineConfig(pool_bytes=4 << 20, fast_linear=False))
+    try:
+        with pytest.raises(ModelLoadError, match="broken: no adapter_config.json"):
+            rt.bind(spec)
+    finally:
+        rt.shutdown()
