@@ -49,6 +49,10 @@ class AdapterWeights:
         return max(a.shape[0] for a, _ in self.modules.values())
 
     @property
+    def parameters(self) -> int:
+        return sum(t.numel() for pair in self.modules.values() for t in pair)
+
+    @property
     def nbytes(self) -> int:
         """What the adapter's own tensors take (at their own rank)."""
         return sum(t.numel() * t.element_size() for pair in self.modules.values() for t in pair)

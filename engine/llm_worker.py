@@ -441,12 +441,19 @@ class LLMWorker(Worker):
         """The typed form of ``stats()`` that the layers above read."""
         s = self.stats()
         keys = ("steps", "generated_tokens", "prompt_tokens", "preemptions", "fragmentation")
+        lora = self.runner.lora
+        adapters = {} if lora is None else {
+            "adapters": float(len(lora.names())),
+            "adapter_slot_bytes": float(lora.slot_bytes()),
+            "adapter_loads": float(lora.num_loads),
+            "adapter_evictions": float(lora.num_evictions),
+        }  # fmt: skip
         return ModelStats(
             self.name,
             "llm",
             running=s["running"],
             waiting=s["waiting"],
-            counters={k: float(s[k]) for k in keys},
+            counters={**{k: float(s[k]) for k in keys}, **adapters},
             windows={
                 "queue_seconds": Window(tuple(self.queue_waits), self.num_started),
                 "ttft_seconds": Window(tuple(self.ttft), self.num_first_tokens),

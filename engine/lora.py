@@ -43,7 +43,22 @@ class Adapter:
     uid: int  # a fresh one per registration: keys the prefix cache (a reloaded name is new)
     rank: int
     modules: tuple[str, ...]
+    parameters: int
     nbytes: int  # its own tensors at its own rank
+
+
+@dataclass(frozen=True)
+class AdapterReport:
+    """One adapter as reports show it (``trae model info``, stats)."""
+
+    name: str
+    path: str
+    rank: int
+    parameters: int
+    bytes: int  # its own tensors, at its own rank
+    resident: bool  # holds a slot now
+    dtype: str
+    device: str
 
 
 class LoraLinear(nn.Module):
@@ -116,7 +131,13 @@ class LoraSlots:
         are read again when a request first needs a slot for it."""
         weights = read_adapter(folder, self.model, self.max_rank, self.dtype)
         adapter = Adapter(
-            name, weights.path, next(_uids), weights.rank, tuple(weights.modules), weights.nbytes
+            name,
+            weights.path,
+            next(_uids),
+            weights.rank,
+            tuple(weights.modules),
+            weights.parameters,
+            weights.nbytes,
         )
         with self._lock:
             if name in self._registered:
@@ -242,6 +263,25 @@ class LoraSlots:
         """Bytes of each registered adapter's own tensors (at its own rank)."""
         with self._lock:
             return {name: a.nbytes for name, a in self._registered.items()}
+
+    def report(self) -> list[AdapterReport]:
+        """Every registered adapter: its own bytes, rank, and whether it holds a slot now."""
+        with self._lock:
+            adapters = list(self._registered.values())
+        resident = dict(self._resident)
+        return [
+            AdapterReport(
+                a.name,
+                a.path,
+                a.rank,
+                a.parameters,
+                a.nbytes,
+                resident.get(a.name, (None, 0))[1] == a.uid,
+                str(self.dtype).removeprefix("torch."),
+                str(self.device),
+            )
+            for a in sorted(adapters, key=lambda a: a.name)
+        ]
 
     def slot_bytes(self) -> int:
         """Bytes the resident slots take on the device (zero-padded to the maximum rank)."""

@@ -26,6 +26,7 @@ from trae_groups.engine.encoder_worker import EncoderWorker
 from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.errors import ModelLoadError
 from trae_groups.engine.llm_runner import ATTN_NAME
+from trae_groups.engine.lora import AdapterReport
 from trae_groups.engine.protocol import EngineStats
 from trae_groups.engine.weights import SharingPolicy, WeightStore
 from trae_groups.graphs.compile import CompiledGraph, compile_graph, resolve_functions
@@ -310,6 +311,18 @@ class ModelRuntime:
         while f"{name}-{n}" in taken:
             n += 1
         return f"{name}-{n}"
+
+    def adapter_report(self) -> dict[str, list[AdapterReport]]:
+        """Engine model name -> its LoRA adapters (what they cost, which hold a slot)."""
+        return {
+            name: worker.adapters.report()
+            for name, worker in self.engine.llms.items()
+            if worker.adapters is not None
+        }
+
+    def adapter_bytes(self) -> int:
+        """What adapters take on the device now: every model's resident slots."""
+        return sum(w.adapters.slot_bytes() for w in self.engine.llms.values() if w.adapters)
 
     def stats(self) -> EngineStats:
         """The engine's typed stats (what metrics and the CLI read)."""

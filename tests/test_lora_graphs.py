@@ -181,3 +181,28 @@ outputs: {{reply: reply.text}}
             rt.bind(spec)
     finally:
         rt.shutdown()
+
+
+def test_model_info_counts_adapter_bytes(llama_dir, loras, tmp_path, capsys):
+    import json
+
+    from trae_groups.cli import main
+
+    graph = tmp_path / "lora.yaml"
+    graph.write_text(f"""
+name: lora
+models:
+  dialog: {{source: {llama_dir}, task: generate, adapters: {{short: {loras["short"]}}}}}
+nodes:
+  reply: {{model: dialog, adapter: short, prompt: "hi"}}
+outputs: {{reply: reply.text}}
+""")
+    assert main(["model", "info", str(graph), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    rows = {m["name"]: m for m in report["models"]}
+    # rank 4 on q_proj (64 -> 64) and v_proj (64 -> 32), 2 layers, float32
+    short = 2 * 4 * ((64 + 64) + (64 + 32))
+    assert rows["dialog:short"]["task"] == "lora r=4"
+    assert rows["dialog:short"]["parameters"] == short
+    assert report["adapter_bytes"] == rows["dialog:short"]["bytes"] == 4 * short
+    assert report["held_bytes"] == rows["dialog"]["bytes"]  # the base, held once

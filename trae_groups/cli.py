@@ -262,6 +262,7 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     runtime, executors = _load_runtime(args.graphs, config)
     try:
         reports = runtime.store.report()
+        adapters = runtime.adapter_report()
         users = _model_users(executors)
     finally:
         runtime.shutdown()
@@ -280,13 +281,25 @@ def cmd_model_info(args: argparse.Namespace) -> int:
             row.update(path=r.path, quantize=r.quantize, memory=r.memory, gpu=r.gpu, loads=r.loads)
             row["used_by"] = users.get(r.name, [])
         rows.append(row)
+    for model, found in adapters.items():  # LoRA adapters: a row each, on their base
+        for a in found:
+            row = {"name": f"{model}:{a.name}", "task": f"lora r={a.rank}",
+                   "parameters": a.parameters, "bytes": a.bytes, "shared_bytes": 0,
+                   "device": a.device, "dtype": a.dtype}  # fmt: skip
+            if args.detail:
+                row.update(path=a.path, quantize=None, memory="-", gpu="-", loads=1)
+                row["used_by"] = users.get(model, [])
+            rows.append(row)
     held = runtime.store.total_bytes()
+    adapter_bytes = sum(a.bytes for found in adapters.values() for a in found)
     if args.json:
-        _print_json({"models": rows, "held_bytes": held})
+        _print_json({"models": rows, "held_bytes": held, "adapter_bytes": adapter_bytes})
         return 0
     _print_table(rows)
     naive = sum(r.bytes for r in reports)
     print(f"held once: {_mib(held)} (without sharing: {_mib(naive)})")
+    if adapter_bytes:
+        print(f"LoRA adapters: {_mib(adapter_bytes)} (in slots when requests use them)")
     return 0
 
 
