@@ -206,3 +206,48 @@ outputs: {{reply: reply.text}}
     assert rows["dialog:short"]["parameters"] == short
     assert report["adapter_bytes"] == rows["dialog:short"]["bytes"] == 4 * short
     assert report["held_bytes"] == rows["dialog"]["bytes"]  # the base, held once
+
+
+def test_openai_lists_and_serves_adapters_by_model_id(llama_dir, loras, tmp_path):
+    import httpx
+
+    from trae_groups.server import ServerConfig, ServerThread, create_app
+
+    graph = tmp_path / "lora.yaml"
+    graph.write_text(f"""
+name: lora
+models:
+  dialog:
+    task: generate
+    versions: {{v1: {llama_dir}, v2: {{adapter: {loras["mlp"]}}}}}
+    adapters: {{short: {loras["short"]}}}
+inputs: {{text: str}}
+nodes:
+  reply: {{model: dialog, prompt: "{{{{ inputs.text }}}}", params: {PARAMS}}}
+outputs: {{reply: reply.text}}
+""")
+    app = create_app([graph], ServerConfig(engine=EngineConfig(pool_bytes=4 << 20)))
+    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+        assert {"dialog", "dialog:short", "dialog:v2", "lora/dialog:short"} <= set(listed)
+        assert listed["dialog:short"]["parent"] == "dialog"
+        assert listed["lora/dialog:v2"]["trae"]["kind"] == "adapter"
+        texts = {}
+        for model in ("dialog", "dialog:short", "dialog:v2"):
+            body = {"model": model, "prompt": "hello world", "max_tokens": 8, "temperature": 0}
+            answer = http.post("/v1/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == model
+            texts[model] = answer.json()["choices"][0]["text"]
+        unknown = http.post("/v1/completions", json={**body, "model": "dialog:nope"})
+        assert unknown.status_code == 404 and "dialog:nope" in unknown.text
+        runtime = server.state.runtime
+        worker = runtime.graphs["lora"].models["dialog"].clients["v1"].worker
+        expected = runtime.engine.generate(
+            ["hello world"] * 3,
+            SamplingParams(max_tokens=8, temperature=0),
+            model=worker.name,
+            adapters=[None, "short", "v2"],
+        )
+    assert [texts[m] for m in ("dialog", "dialog:short", "dialog:v2")] == [o.text for o in expected]
+    assert len(set(texts.values())) == 3
