@@ -207,10 +207,18 @@ class LLMWorker(Worker):
             lora = self.runner.lora
             if lora is None or lora.get(name) is None:
                 raise RequestError("adapter", f"model {self.name!r} has no adapter {name!r}")
-            busy = sum(1 for seq in self._live.values() if seq.adapter == name)
+            busy = self._adapter_users(name)
             if busy:
                 raise RequestError("adapter", f"{name!r} still serves {busy} request(s)")
             lora.unregister(name)
+
+    def adapter_users(self, name: str) -> int:
+        """Requests running or waiting with this adapter now."""
+        with self._lock:
+            return self._adapter_users(name)
+
+    def _adapter_users(self, name: str) -> int:
+        return sum(1 for seq in self._live.values() if seq.adapter == name)
 
     def _adapter_salt(self, adapter: str | None) -> int:
         if adapter is None:

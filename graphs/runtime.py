@@ -180,13 +180,37 @@ class ModelRuntime:
             )
         return executor.models[model]
 
-    def add_version(self, graph: str, model: str, version: str, path: str | Path) -> None:
-        """Load a new version (0% of traffic until a route gives it some)."""
+    def add_version(
+        self, graph: str, model: str, version: str, path: str | Path, adapter: bool = False
+    ) -> None:
+        """Load a new version (0% of traffic until a route gives it some): a model folder,
+        or with ``adapter`` a LoRA adapter folder on the model's base (no second copy)."""
         versioned = self.versioned(graph, model)
         if version in versioned.clients:
             raise RouteError(f"model {model!r} already has a version {version!r}")
         spec = self.graphs[graph].graph.spec.models[model]
+        if adapter:
+            client = self._adapter_version(versioned, model, version, spec, path)
+            versioned.add(version, client, str(path))
+            return
         versioned.add(version, self._acquire(model, version, spec, Path(path)), str(path))
+
+    def _adapter_version(
+        self, versioned: VersionedModel, model: str, version: str, spec: ModelSpec, path
+    ) -> AdapterClient:
+        base = next((c for c in versioned.clients.values() if isinstance(c, LocalLLM)), None)
+        if spec.task != "generate" or base is None:
+            raise RouteError(f"model {model!r} is not a generate model: adapters need one")
+        if spec.adapters and version in spec.adapters:
+            raise RouteError(f"model {model!r} has an adapter named {version!r}; rename one")
+        self._register(base.worker, version, Path(path))
+        self._share(base)
+        return AdapterClient(base, version)
+
+    def _share(self, client: LocalLLM) -> None:
+        for entry in self._by_key.values():
+            if entry.client is client:
+                entry.users += 1
 
     def set_route(self, graph: str, model: str, weights: dict[str, float]) -> dict[str, float]:
         versioned = self.versioned(graph, model)
@@ -200,7 +224,14 @@ class ModelRuntime:
             raise RouteError(f"model {model!r} has no version {version!r}")
         if len(versioned.clients) == 1:
             raise RouteError(f"{version!r} is the only version of {model!r}")
+        client = versioned.clients[version]
+        if isinstance(client, AdapterClient):
+            busy = client.base.worker.adapter_users(client.adapter)
+            if busy:
+                raise RouteError(f"version {version!r} still serves {busy} request(s)")
         self._release(versioned.remove(version))
+        if isinstance(client, AdapterClient):
+            client.base.worker.remove_adapter(client.adapter)
 
     # -- models ------------------------------------------------------------------------
     def _key(self, spec: ModelSpec, path: Path) -> tuple:

@@ -4,6 +4,7 @@ versions that are adapters on the model's base (routed and sticky like any versi
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections import Counter
 
 import pytest
@@ -208,12 +209,14 @@ outputs: {{reply: reply.text}}
     assert report["held_bytes"] == rows["dialog"]["bytes"]  # the base, held once
 
 
-def test_openai_lists_and_serves_adapters_by_model_id(llama_dir, loras, tmp_path):
-    import httpx
+TOKEN = "lora-admin-token"
 
+
+@pytest.fixture(scope="module")
+def lora_server(llama_dir, loras, tmp_path_factory):
     from trae_groups.server import ServerConfig, ServerThread, create_app
 
-    graph = tmp_path / "lora.yaml"
+    graph = tmp_path_factory.mktemp("lora-server") / "lora.yaml"
     graph.write_text(f"""
 name: lora
 models:
@@ -226,28 +229,77 @@ nodes:
   reply: {{model: dialog, prompt: "{{{{ inputs.text }}}}", params: {PARAMS}}}
 outputs: {{reply: reply.text}}
 """)
-    app = create_app([graph], ServerConfig(engine=EngineConfig(pool_bytes=4 << 20)))
-    with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+    config = ServerConfig(engine=EngineConfig(pool_bytes=4 << 20), admin_token=TOKEN)
+    with ServerThread(create_app([graph], config)) as server:
+        yield server
+
+
+def complete(http, model: str, prompt: str = "hello world"):
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    return http.post("/v1/completions", json=body)
+
+
+def test_openai_lists_and_serves_adapters_by_model_id(lora_server):
+    import httpx
+
+    with httpx.Client(base_url=lora_server.url, timeout=60) as http:
         listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
         assert {"dialog", "dialog:short", "dialog:v2", "lora/dialog:short"} <= set(listed)
         assert listed["dialog:short"]["parent"] == "dialog"
         assert listed["lora/dialog:v2"]["trae"]["kind"] == "adapter"
         texts = {}
         for model in ("dialog", "dialog:short", "dialog:v2"):
-            body = {"model": model, "prompt": "hello world", "max_tokens": 8, "temperature": 0}
-            answer = http.post("/v1/completions", json=body)
+            answer = complete(http, model)
             assert answer.status_code == 200, answer.text
             assert answer.json()["model"] == model
             texts[model] = answer.json()["choices"][0]["text"]
-        unknown = http.post("/v1/completions", json={**body, "model": "dialog:nope"})
+        unknown = complete(http, "dialog:nope")
         assert unknown.status_code == 404 and "dialog:nope" in unknown.text
-        runtime = server.state.runtime
-        worker = runtime.graphs["lora"].models["dialog"].clients["v1"].worker
-        expected = runtime.engine.generate(
-            ["hello world"] * 3,
-            SamplingParams(max_tokens=8, temperature=0),
-            model=worker.name,
-            adapters=[None, "short", "v2"],
-        )
+    runtime = lora_server.state.runtime
+    worker = runtime.graphs["lora"].models["dialog"].clients["v1"].worker
+    expected = runtime.engine.generate(
+        ["hello world"] * 3,
+        SamplingParams(max_tokens=8, temperature=0),
+        model=worker.name,
+        adapters=[None, "short", "v2"],
+    )
     assert [texts[m] for m in ("dialog", "dialog:short", "dialog:v2")] == [o.text for o in expected]
     assert len(set(texts.values())) == 3
+
+
+def test_admin_uploads_routes_and_unloads_an_adapter_version(lora_server, loras, tmp_path):
+    import httpx
+
+    from trae_groups.cli import main
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    versions = "/admin/graphs/lora/models/dialog/versions"
+    route = "/admin/graphs/lora/models/dialog/route"
+    cut = tmp_path / "cut"
+    shutil.copytree(loras["short"], cut)
+    weights = cut / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    worker = lora_server.state.runtime.graphs["lora"].models["dialog"].clients["v1"].worker
+    with httpx.Client(base_url=lora_server.url, timeout=60) as http:
+        bad = http.post(versions, headers=auth, json={"version": "v3", "adapter": str(cut)})
+        assert bad.status_code == 422 and "corrupt adapter_model.safetensors" in bad.text
+        # the CLI's upload: a version that is an adapter, 0% until routed
+        assert main(["model", "upload", "dialog", "--version", "v3", "--adapter",
+                     str(loras["short"]), "--url", lora_server.url, "--token", TOKEN]) == 0  # fmt: skip
+        assert "v3" in worker.adapters.names()
+        routed = http.post(route, headers=auth, json={"split": "v1:0%, v2:0%, v3:100%"})
+        assert routed.status_code == 200
+        try:
+            run = http.post("/v1/graphs/lora", json={"inputs": {"text": "hello world"}}).json()
+            assert run["versions"] == {"dialog": "v3"}
+            # v3 is the "short" adapter's folder: it answers as dialog:short does
+            assert run["outputs"]["reply"] == complete(http, "dialog:short").json()["choices"][0]["text"]  # fmt: skip
+            busy = http.delete(versions + "/v3", headers=auth)
+            assert busy.status_code == 422 and "traffic" in busy.text
+        finally:
+            http.post(route, headers=auth, json={"split": {"v1": 100}})
+        gone = http.delete(versions + "/v3", headers=auth)
+        assert gone.status_code == 200 and gone.json()["versions"] == ["v1", "v2"]
+        assert "v3" not in worker.adapters.names()
+        run = http.post("/v1/graphs/lora", json={"inputs": {"text": "hi"}})
+        assert run.status_code == 200 and run.json()["versions"] == {"dialog": "v1"}

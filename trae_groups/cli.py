@@ -398,9 +398,11 @@ def cmd_model_route(args: argparse.Namespace) -> int:
 
 
 def cmd_model_upload(args: argparse.Namespace) -> int:
-    """Load a new version on a running server (0% of traffic until routed)."""
-    path = str(Path(args.path).expanduser().resolve())
-    body = {"version": args.version, "path": path}
+    """Load a new version on a running server (0% of traffic until routed): a model
+    folder (--path) or a LoRA adapter on the model's base (--adapter)."""
+    field = "adapter" if args.adapter is not None else "path"
+    path = str(Path(getattr(args, field)).expanduser().resolve())
+    body = {"version": args.version, field: path}
     return _admin(args, "POST", "/admin/graphs/{graph}/models/{model}/versions", body)
 
 
@@ -627,7 +629,9 @@ def build_parser() -> argparse.ArgumentParser:
     upload = model_sub.add_parser("upload", help="load a new version on a running server")
     admin_options(upload)
     upload.add_argument("--version", required=True)
-    upload.add_argument("--path", required=True, help="the version's model folder")
+    source = upload.add_mutually_exclusive_group(required=True)
+    source.add_argument("--path", help="the version's model folder")
+    source.add_argument("--adapter", help="a PEFT LoRA folder: the version runs on the base")
     upload.set_defaults(run=cmd_model_upload)
 
     unload = model_sub.add_parser("unload", help="unload a version no route uses")
