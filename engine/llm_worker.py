@@ -28,6 +28,7 @@ from trae_groups.engine.scheduler import Scheduler, SchedulerOutput
 from trae_groups.engine.sequence import RequestOutput, Sequence
 from trae_groups.engine.worker import Priority, Urgency, Worker
 from trae_groups.kernels import AttentionBackend
+from trae_groups.kernels.lora import select_lora_kernel
 
 log = logging.getLogger("trae_groups.engine")
 
@@ -197,7 +198,12 @@ class LLMWorker(Worker):
                 device = next(self.model.parameters()).device
                 dtype = next(self.model.parameters()).dtype
                 self.runner.lora = LoraSlots(
-                    self.model, self.max_loras, self.max_lora_rank, dtype, device
+                    self.model,
+                    self.max_loras,
+                    self.max_lora_rank,
+                    dtype,
+                    device,
+                    kernel=select_lora_kernel(device),
                 )
         return self.runner.lora.register(name, folder)
 

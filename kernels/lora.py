@@ -64,6 +64,17 @@ def lora_update(
     return y
 
 
+def select_lora_kernel(device: str | torch.device):
+    """The grouped update for a model on ``device``: Triton's on CUDA when triton imports
+    (compiled), this torch function everywhere else."""
+    if torch.device(device).type == "cuda":
+        from trae_groups.kernels import triton_lora
+
+        if triton_lora.HAVE_TRITON and triton_lora.available(device):
+            return triton_lora.lora_update
+    return lora_update
+
+
 def lora_update_reference(
     y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor
 ) -> torch.Tensor:
