@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from trae_groups.engine.lora import LoraSlots, make_rows, rows_for
+from trae_groups.engine.lora import LoraSlots, lora_rows
 from trae_groups.engine.memory_pool import KVLayout, KVView
 from trae_groups.engine.scheduler import SchedulerOutput
 from trae_groups.kernels import AttentionBackend, PagedBatch
@@ -261,12 +261,11 @@ class LLMRunner:
                 row_slots.extend([self.lora.slot_of(seq.adapter)] * item.num_new)
         width = max(len(t) for t in tables)
         padded = [page_id for t in tables for page_id in t + [0] * (width - len(t))]
-        grouped = rows_for(row_slots) if row_slots else None
-        order, groups = grouped or ([], [])
-        ids_t, positions_t, slots_t, lens_t, rows_t, tables_t, lora_t, order_t = self._to_device(
-            ids, positions, slots, context_lens, sample_rows, padded,
-            row_slots if grouped else [], order,
-        )  # fmt: skip
+        if row_slots and max(row_slots) < 0:
+            row_slots = []  # base rows only: nothing to add
+        ids_t, positions_t, slots_t, lens_t, rows_t, tables_t, lora_t = self._to_device(
+            ids, positions, slots, context_lens, sample_rows, padded, row_slots
+        )
         batch = PagedBatch(
             slot_mapping=slots_t,
             query_starts=starts,
@@ -281,7 +280,7 @@ class LLMRunner:
             position_ids=positions_t.view(1, -1),
             sample_rows=rows_t,
             batch=batch,
-            lora=make_rows(lora_t, order_t, groups) if grouped else None,
+            lora=lora_rows(lora_t, row_slots) if row_slots else None,
         )
 
     def _to_device(self, *parts: list[int]) -> tuple[torch.Tensor, ...]:

@@ -296,6 +296,10 @@ class LLMWorker(Worker):
                 self._stalled_until = time.monotonic() + _STALL_POLL_S
             return
         self._stalled_until = 0.0
+        if self.runner.lora is not None:  # an adapter's rows contiguous: one run each
+            slot = self.runner.lora.slot_of
+            sched.decodes.sort(key=lambda item: slot(item.seq.adapter))
+            sched.prefills.sort(key=lambda item: slot(item.seq.adapter))
         self._note_first_scheduled(sched)
         try:
             inputs = self.runner.prepare(sched)

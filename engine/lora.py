@@ -29,7 +29,7 @@ from torch import nn
 
 from trae_groups.engine.adapters import read_adapter
 from trae_groups.engine.errors import ModelLoadError
-from trae_groups.kernels.lora import LoraRows, lora_update
+from trae_groups.kernels.lora import LoraRows, lora_update, runs_of
 
 _uids = itertools.count(1)
 
@@ -288,31 +288,8 @@ class LoraSlots:
         return sum(linear.nbytes for linear in list(self._linears.values()))
 
 
-def rows_for(slots: list[int]) -> tuple[list[int], list[tuple[int, int]]] | None:
-    """A step's per-row slots (``-1``: base) as the row order grouped by slot and each
-    group's (slot, size); None when no row uses an adapter."""
-    if all(s < 0 for s in slots):
-        return None
-    order = sorted((i for i, s in enumerate(slots) if s >= 0), key=slots.__getitem__)
-    groups: list[tuple[int, int]] = []
-    for i in order:
-        if groups and groups[-1][0] == slots[i]:
-            groups[-1] = (slots[i], groups[-1][1] + 1)
-        else:
-            groups.append((slots[i], 1))
-    return order, groups
-
-
-def make_rows(
-    slots_t: torch.Tensor, order_t: torch.Tensor, groups: list[tuple[int, int]]
-) -> LoraRows:
-    """The step's ``LoraRows`` from its tensors on the device."""
-    total = slots_t.shape[0]
-    pieces = order_t.split([size for _, size in groups])
-    return LoraRows(
-        slots_t,
-        tuple(
-            (slot, None if size == total else rows)
-            for (slot, size), rows in zip(groups, pieces, strict=True)
-        ),
-    )
+def lora_rows(slots_t: torch.Tensor, slots: list[int]) -> LoraRows | None:
+    """A step's ``LoraRows`` (``slots_t``: ``slots`` on the device); None when no row uses
+    an adapter (the wrapped linears then add nothing)."""
+    runs = runs_of(slots)
+    return LoraRows(slots_t, runs) if runs else None

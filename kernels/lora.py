@@ -24,17 +24,31 @@ import torch
 class LoraRows:
     """Which adapter slot each row of a step uses.
 
-    ``slots`` [T] (long, -1: the base alone); ``groups`` the same facts grouped, one
-    ``(slot, rows)`` per slot present, where ``rows`` holds the row indices (None when the
-    slot covers every row: no gather, no scatter).
+    ``slots`` [T] (long, -1: the base alone) for kernels that gather per row; ``runs`` the
+    same facts as contiguous ``(slot, start, stop)`` row ranges, base rows left out, for
+    kernels that slice. The runner orders a step's sequences by adapter, so an adapter's
+    rows form at most two runs (one among the decodes, one among the prefill chunks).
     """
 
     slots: torch.Tensor
-    groups: tuple[tuple[int, torch.Tensor | None], ...]
+    runs: tuple[tuple[int, int, int], ...]
 
     @property
     def num_rows(self) -> int:
         return self.slots.shape[0]
+
+
+def runs_of(slots: list[int]) -> tuple[tuple[int, int, int], ...]:
+    """Contiguous ranges of equal slot (>= 0) in a row's slot list."""
+    runs: list[list[int]] = []
+    for row, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        if runs and runs[-1][0] == slot and runs[-1][2] == row:
+            runs[-1][2] = row + 1
+        else:
+            runs.append([slot, row, row + 1])
+    return tuple(tuple(r) for r in runs)
 
 
 def lora_update(
@@ -48,19 +62,16 @@ def lora_update(
     """``y[t] += x[t] @ a[s, :r].T @ b[s, :r]`` for every row t of slot s (rank r), in place.
 
     x [T, in], y [T, out]; a [S, R, in]; b [S, R, out]; ``ranks[s]`` is slot s's rank in
-    this linear (0: its adapter does not target it). Returns y.
+    this linear (0: its adapter does not target it). Returns y. One shrink and one expand
+    matmul per run, on slices: no gather, no scatter (CPU ``index_add_`` costs a per-row
+    loop, several times the matmuls).
     """
     _check(y, x, a, b, rows)
-    for slot, idx in rows.groups:
+    for slot, start, stop in rows.runs:
         rank = ranks[slot]
         if rank == 0:
             continue
-        xs = x if idx is None else x.index_select(0, idx)
-        delta = (xs @ a[slot, :rank].T) @ b[slot, :rank]
-        if idx is None:
-            y.add_(delta)
-        else:
-            y.index_add_(0, idx, delta)
+        y[start:stop].addmm_(x[start:stop] @ a[slot, :rank].T, b[slot, :rank])
     return y
 
 

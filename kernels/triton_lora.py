@@ -94,7 +94,7 @@ def lora_update(
     ranks: list[int],
     rows: LoraRows,
 ) -> torch.Tensor:
-    """Same contract as ``kernels.lora.lora_update`` (``ranks`` and the groups are not
+    """Same contract as ``kernels.lora.lora_update`` (``ranks`` and the runs are not
     needed: each row reads its slot, padded ranks are zero). In place; returns y."""
     _check(y, x, a, b, rows)
     for name, t in (("x", x), ("y", y), ("a", a), ("b", b)):

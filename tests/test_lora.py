@@ -23,7 +23,7 @@ from trae_groups.engine.errors import ModelLoadError, RequestError
 from trae_groups.engine.fast_linear import PackedLinear
 from trae_groups.engine.lora import LoraLinear
 from trae_groups.engine.sampling import SamplingParams
-from trae_groups.kernels.lora import LoraRows, lora_update, lora_update_reference
+from trae_groups.kernels.lora import LoraRows, lora_update, lora_update_reference, runs_of
 
 MAX_NEW = 10
 
@@ -254,21 +254,17 @@ def test_an_adapter_in_use_cannot_be_removed(lora_sets):
 
 def test_grouped_update_matches_the_row_by_row_oracle():
     torch.manual_seed(0)
-    slots, rank, d_in, d_out, rows = 3, 8, 24, 40, 11
+    slots, rank, d_in, d_out = 3, 8, 24, 40
     a = torch.randn(slots, rank, d_in)
     b = torch.randn(slots, rank, d_out)
     ranks = [8, 5, 0]  # slot 1 uses rank 5 (rest zero-padded), slot 2 skips this linear
     a[1, 5:] = b[1, 5:] = 0
     a[2] = b[2] = 0
-    x, y = torch.randn(rows, d_in), torch.randn(rows, d_out)
-    per_row = torch.tensor([1, -1, 0, 1, 2, 2, -1, 0, 0, 1, -1])
-    groups = tuple(
-        (s, torch.nonzero(per_row == s).flatten()) for s in sorted(set(per_row.tolist())) if s >= 0
-    )
-    got = lora_update(y.clone(), x, a, b, ranks, LoraRows(per_row, groups))
-    torch.testing.assert_close(got, lora_update_reference(y, x, a, b, per_row))
-    every = torch.zeros(rows, dtype=torch.long)  # one slot for every row: no gather
-    got = lora_update(y.clone(), x, a, b, ranks, LoraRows(every, ((0, None),)))
-    torch.testing.assert_close(got, lora_update_reference(y, x, a, b, every))
+    per_row = [1, -1, 0, 0, 1, 1, 2, 2, -1, 0, 1]  # runs of a slot, base rows between
+    assert runs_of(per_row) == ((1, 0, 1), (0, 2, 4), (1, 4, 6), (2, 6, 8), (0, 9, 10), (1, 10, 11))
+    x, y = torch.randn(len(per_row), d_in), torch.randn(len(per_row), d_out)
+    slots_t = torch.tensor(per_row)
+    got = lora_update(y.clone(), x, a, b, ranks, LoraRows(slots_t, runs_of(per_row)))
+    torch.testing.assert_close(got, lora_update_reference(y, x, a, b, slots_t))
     with pytest.raises(ValueError, match="do not fit"):
-        lora_update(y, x[:, :5], a, b, ranks, LoraRows(every, ((0, None),)))
+        lora_update(y, x[:, :5], a, b, ranks, LoraRows(slots_t, runs_of(per_row)))

@@ -20,7 +20,7 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 from trae_groups.kernels import triton_lora
-from trae_groups.kernels.lora import LoraRows, lora_update
+from trae_groups.kernels.lora import LoraRows, lora_update, runs_of
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TOL = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 2e-2}
@@ -45,10 +45,7 @@ def build(case: str, dtype: str, seed: int = 0):
     y = torch.randn(len(per_row), d_out, generator=g)
     t = DTYPES[dtype]
     slots_t = torch.tensor(per_row, dtype=torch.long)
-    groups = tuple(
-        (s, torch.nonzero(slots_t == s).flatten()) for s in sorted(set(per_row)) if s >= 0
-    )
-    return x.to(t), y.to(t), a.to(t), b.to(t), ranks, LoraRows(slots_t, groups)
+    return x.to(t), y.to(t), a.to(t), b.to(t), ranks, LoraRows(slots_t, runs_of(per_row))
 
 
 def run_triton(case: str, dtype: str, device: str) -> torch.Tensor:
