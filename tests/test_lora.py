@@ -225,6 +225,22 @@ def test_bad_adapter_folders_are_refused_and_the_engine_keeps_serving(lora_sets,
         assert eng.pool.stats().used_pages == 0
 
 
+def test_an_adapter_that_cannot_be_read_when_needed_fails_its_requests_only(lora_sets, tmp_path):
+    base, adapters = lora_sets["llama"]
+    gone = shutil.copytree(adapters["mlp"], tmp_path / "gone")
+    with engine(base, {"short": adapters["short"], "gone": gone}) as eng:
+        (gone / "adapter_model.safetensors").unlink()  # after registration, before any use
+        outs = eng.generate(
+            [[5, 6, 7]] * 3,
+            SamplingParams(max_tokens=4, ignore_eos=True),
+            adapters=["gone", "short", None],
+        )
+        assert outs[0].finish_reason == "error"
+        assert "adapter 'gone' could not be loaded" in outs[0].error
+        assert [o.finish_reason for o in outs[1:]] == ["length", "length"]
+        assert eng.pool.stats().used_pages == 0
+
+
 def test_an_adapter_in_use_cannot_be_removed(lora_sets):
     import asyncio
 
