@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import build_encoder, build_llm
+from conftest import LORA_VARIANTS, build_encoder, build_llm, build_lora
 from trae_groups.engine import EngineConfig
 from trae_groups.graphs.errors import GraphValidationError
 from trae_groups.graphs.loader import load_graph_text
@@ -32,7 +32,9 @@ pytestmark = pytest.mark.timeout(600)
 
 ENGINE = EngineConfig(pool_bytes=8 << 20, fast_linear=False, num_threads=1)
 TEXTS = ["hello where is my order", "john wants a refund", "ship to paris please"]
-SHORT = ["intent", "reply"]  # the outputs most tests ask for (story is 1,500 tokens)
+# the outputs most tests ask for (story is 1,500 tokens); tuned runs on a LoRA adapter, whose
+# name crosses to the replica inside the GenerateRequest
+SHORT = ["intent", "reply", "tuned"]
 
 
 def graph_yaml(root: Path, deploy: str) -> str:
@@ -40,7 +42,7 @@ def graph_yaml(root: Path, deploy: str) -> str:
 name: support
 models:
   intent: {{source: {root / "intent"}, task: classify}}
-  dialog: {{source: {root / "dialog"}, task: generate}}
+  dialog: {{source: {root / "dialog"}, task: generate, adapters: {{terse: {root / "terse"}}}}}
 inputs: {{text: str}}
 nodes:
   intent: {{model: intent, input: "{{{{ inputs.text }}}}"}}
@@ -48,8 +50,9 @@ nodes:
     model: dialog
     prompt: "Intent: {{{{ intent.label }}}}. User: {{{{ inputs.text }}}}. Assistant:"
     params: {{max_tokens: 8}}
+  tuned: {{model: dialog, adapter: terse, prompt: "User: {{{{ inputs.text }}}}", params: {{max_tokens: 8}}}}
   story: {{model: dialog, prompt: "Story: {{{{ inputs.text }}}}", params: {{max_tokens: 1500}}}}
-outputs: {{intent: intent.label, reply: reply.text, story: story.text}}
+outputs: {{intent: intent.label, reply: reply.text, tuned: tuned.text, story: story.text}}
 deploy:
   ingress: {{num_cpus: 0.1}}
 {deploy}
@@ -89,6 +92,7 @@ def models(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("cluster_models")
     build_encoder(root / "intent", "classify", ["greet", "order", "spam"], seed=3)
     build_llm(root / "dialog", "llama", max_position_embeddings=4096)  # long generations
+    build_lora(root / "terse", root / "dialog", **LORA_VARIANTS["short"])
     return root
 
 
@@ -258,7 +262,8 @@ def test_streaming_and_openai(http):
         events = sse(response)
     kinds = [k for k, _ in events]
     assert kinds[-2:] == ["result", "done"] and "token" in kinds
-    assert "".join(d["text"] for k, d in events if k == "token") == whole["outputs"]["reply"]
+    tokens = [d["text"] for k, d in events if k == "token" and d["node"] == "reply"]
+    assert "".join(tokens) == whole["outputs"]["reply"]
     assert events[-2][1]["outputs"] == whole["outputs"]
     done = http.post(
         "/v1/completions",
