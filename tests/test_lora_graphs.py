@@ -54,6 +54,7 @@ models:
     task: generate
     adapters: {{short: {loras["short"]}, mlp: {loras["mlp"]}}}
     max_loras: 2
+    max_lora_rank: 8
 inputs: {{text: str}}
 nodes:
   plain: {{model: dialog, prompt: "{{{{ inputs.text }}}}", params: {PARAMS}}}
@@ -80,6 +81,7 @@ outputs: {{plain: plain.text, terse: terse.text, deep: deep.text}}
         worker = executor.models["dialog"].clients["default"].worker
         assert worker.adapters.names() == ["mlp", "short"]
         assert worker.adapters.max_loras == 2  # the model entry's max_loras reached the engine
+        assert worker.adapters.max_rank == 8  # and its max_lora_rank
     finally:
         rt.shutdown()
 
@@ -303,3 +305,24 @@ def test_admin_uploads_routes_and_unloads_an_adapter_version(lora_server, loras,
         assert "v3" not in worker.adapters.names()
         run = http.post("/v1/graphs/lora", json={"inputs": {"text": "hi"}})
         assert run.status_code == 200 and run.json()["versions"] == {"dialog": "v1"}
+
+
+def test_the_dsl_declares_adapters_as_yaml_does(llama_dir, loras):
+    from trae_groups import ModelGroup
+
+    group = ModelGroup("lora")
+    group.add_model("dialog", path=str(llama_dir), task="generate",
+                    adapters={"short": str(loras["short"])}, max_loras=2)  # fmt: skip
+    text = group.input("text", str)
+    reply = group.generate("reply", model="dialog", adapter="short", prompt=text, max_tokens=4)
+    group.output("reply", reply.text)
+    yaml_spec = load_graph_text(f"""
+name: lora
+models:
+  dialog: {{source: {llama_dir}, task: generate, adapters: {{short: {loras["short"]}}}, max_loras: 2}}
+inputs: {{text: str}}
+nodes:
+  reply: {{model: dialog, adapter: short, prompt: "{{{{ inputs.text }}}}", params: {{max_tokens: 4}}}}
+outputs: {{reply: reply.text}}
+""")
+    assert group.spec() == yaml_spec

@@ -156,11 +156,13 @@ class ModelGroup:
         default: Any = None,
         description: str | None = None,
         output_schema: Any = None,
+        adapter: str | None = None,
         **params: Any,
     ) -> Ref:
         """Causal LM from a prompt or chat messages; sampling parameters as keywords
         (``max_tokens=64``) or as one ``params={...}`` mapping, as in YAML.
-        ``output_schema``: a JSON Schema, or a pydantic model class (its schema)."""
+        ``output_schema``: a JSON Schema, or a pydantic model class (its schema).
+        ``adapter``: one of the model's LoRA ``adapters`` (``add_model(..., adapters={...})``)."""
         if isinstance(params.get("params"), Mapping):
             params = {**params.pop("params"), **params}
         if isinstance(output_schema, type) and issubclass(output_schema, BaseModel):
@@ -171,6 +173,7 @@ class ModelGroup:
             "messages": _messages(messages),
             "params": params or None,
             "output_schema": output_schema,
+            "adapter": adapter,
         }
         common = {"when": when, "after": after, "optional": optional, "timeout": timeout}
         common |= {"on_error": on_error, "default": default, "description": description}
