@@ -9,13 +9,14 @@ base stays whatever module it is (plain, oneDNN-packed, quantized) and no weight
 merged.
 
 This torch function is the reference and the CPU path: one shrink and one expand matmul
-per adapter present in the step (a segment matmul), at that adapter's own rank. The
+per run of one adapter's rows (a segment matmul), at that adapter's own rank; or, for a
+step of few rows in many runs, all slots at once with other slots' columns masked. The
 Triton kernel (``triton_lora.py``) does the same per row, gathering each row's slot.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,10 +33,24 @@ class LoraRows:
 
     slots: torch.Tensor
     runs: tuple[tuple[int, int, int], ...]
+    _masks: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_rows(self) -> int:
         return self.slots.shape[0]
+
+    def mask(self, num_slots: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """[T, num_slots * rank]: 1 where the column belongs to the row's slot (made once
+        per step and shape, shared by every linear)."""
+        key = (num_slots, rank, dtype)
+        if key not in self._masks:
+            mask = torch.zeros(
+                self.num_rows, num_slots + 1, rank, dtype=dtype, device=self.slots.device
+            )
+            slot = torch.where(self.slots < 0, num_slots, self.slots)
+            mask[torch.arange(self.num_rows, device=slot.device), slot] = 1
+            self._masks[key] = mask[:, :num_slots].reshape(self.num_rows, num_slots * rank)
+        return self._masks[key]
 
 
 def runs_of(slots: list[int]) -> tuple[tuple[int, int, int], ...]:
@@ -67,12 +82,28 @@ def lora_update(
     loop, several times the matmuls).
     """
     _check(y, x, a, b, rows)
+    if len(rows.runs) > DENSE_MIN_RUNS and rows.num_rows <= DENSE_MAX_ROWS:
+        return _dense(y, x, a, b, rows)
     for slot, start, stop in rows.runs:
         rank = ranks[slot]
         if rank == 0:
             continue
         y[start:stop].addmm_(x[start:stop] @ a[slot, :rank].T, b[slot, :rank])
     return y
+
+
+# Many short runs (a decode step over many adapters): three matmul-sized ops per linear
+# instead of two per run. Every row is multiplied by every slot's A (the columns of other
+# slots then zeroed), which costs max_loras * rank * (in + out) per row: only for few rows.
+DENSE_MIN_RUNS = 4
+DENSE_MAX_ROWS = 128
+
+
+def _dense(y, x, a, b, rows: LoraRows) -> torch.Tensor:
+    num_slots, rank = a.shape[:2]
+    v = x @ a.reshape(num_slots * rank, -1).T
+    v.mul_(rows.mask(num_slots, rank, v.dtype))
+    return y.addmm_(v, b.reshape(num_slots * rank, -1))
 
 
 def select_lora_kernel(device: str | torch.device):

@@ -94,7 +94,12 @@ def test_mixed_batch_of_base_and_three_adapters_matches_peft_merged(lora_sets, f
         assert by_name[name] != by_name[None], name
 
 
-def test_chunked_prefill_and_preemption_with_adapters(lora_sets):
+def test_chunked_prefill_and_preemption_with_adapters(lora_sets, monkeypatch):
+    from trae_groups.kernels import lora as kernel
+
+    # steps of at most 7 rows: here every one takes the all-slots masked path (the mixed
+    # batch test above takes the per-run one)
+    monkeypatch.setattr(kernel, "DENSE_MIN_RUNS", 0)
     base, adapters = lora_sets["llama"]
     ps, names = mixed(prompts(n=3, seed=5), list(adapters))  # rows the first test checked
     # 512 B/token (2 layers x 2 kv heads x 16 dims x 4 B x 2); 12 pages of 16 tokens
@@ -268,7 +273,12 @@ def test_an_adapter_in_use_cannot_be_removed(lora_sets):
     assert out[0].token_ids == lora_reference(base, adapters["mlp"], [5, 6, 7], MAX_NEW)
 
 
-def test_grouped_update_matches_the_row_by_row_oracle():
+@pytest.mark.parametrize("path", ["runs", "dense"])
+def test_grouped_update_matches_the_row_by_row_oracle(path, monkeypatch):
+    from trae_groups.kernels import lora as kernel
+
+    # the per-run slices, or (many short runs) every slot's A at once, other slots masked
+    monkeypatch.setattr(kernel, "DENSE_MIN_RUNS", 10**6 if path == "runs" else 0)
     torch.manual_seed(0)
     slots, rank, d_in, d_out = 3, 8, 24, 40
     a = torch.randn(slots, rank, d_in)
