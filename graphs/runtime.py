@@ -94,7 +94,13 @@ class ModelRuntime:
             for name, model in graph.spec.models.items()
         }
         for name, versioned in models.items():
-            versioned.sources = {v: str(graph.spec.model_path(name, v)) for v in versioned.clients}
+            adapters = graph.spec.models[name].version_adapters  # those show their own folder
+            versioned.sources = {
+                v: str(graph.spec.adapter_path(adapters[v]))
+                if v in adapters
+                else str(graph.spec.model_path(name, v))
+                for v in versioned.clients
+            }
         executor = GraphExecutor(graph, models, functions)
         self.graphs[graph.spec.name] = executor
         return executor

@@ -241,10 +241,12 @@ def complete(http, model: str, prompt: str = "hello world"):
     return http.post("/v1/completions", json=body)
 
 
-def test_openai_lists_and_serves_adapters_by_model_id(lora_server):
+def test_openai_lists_and_serves_adapters_by_model_id(lora_server, loras):
     import httpx
 
     with httpx.Client(base_url=lora_server.url, timeout=60) as http:
+        served = http.get("/v1/graphs/lora").json()["models"]["dialog"]["versions"]
+        assert served["v2"] == str(loras["mlp"])  # an adapter version shows its own folder
         listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
         assert {"dialog", "dialog:short", "dialog:v2", "lora/dialog:short"} <= set(listed)
         assert listed["dialog:short"]["parent"] == "dialog"
