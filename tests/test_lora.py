@@ -294,3 +294,20 @@ def test_grouped_update_matches_the_row_by_row_oracle(path, monkeypatch):
     torch.testing.assert_close(got, lora_update_reference(y, x, a, b, slots_t))
     with pytest.raises(ValueError, match="do not fit"):
         lora_update(y, x[:, :5], a, b, ranks, LoraRows(slots_t, runs_of(per_row)))
+
+
+def test_compiled_decode_keeps_base_steps_compiled_and_runs_adapter_steps_eagerly(lora_sets):
+    base, adapters = lora_sets["llama"]
+    ps = prompts(n=4, seed=5)  # rows the first test checked
+    names = ["short", None, "mlp", None]
+    params = SamplingParams(max_tokens=MAX_NEW)
+    with engine(base, adapters, compile=True, compile_batch_sizes=(4,)) as eng:
+        runner = eng.llms["m"].runner
+        plain = eng.generate(ps, params)
+        compiled = runner.compiled.steps
+        assert compiled > 0  # base-only decode steps ran compiled
+        mixed = eng.generate(ps, params, adapters=names)  # wraps the linears on first use
+        assert runner.compiled.steps == compiled  # steps with adapter rows ran eagerly
+        again = eng.generate(ps, params)
+        assert runner.compiled is not None and runner.compiled.steps > compiled  # still compiled
+    assert_parity(base, adapters, plain + mixed + again, ps * 3, [None] * 4 + names + [None] * 4)
