@@ -328,3 +328,30 @@ nodes:
 outputs: {{reply: reply.text}}
 """)
     assert group.spec() == yaml_spec
+
+
+def test_validate_reports_missing_adapter_folders_at_their_lines(
+    llama_dir, loras, tmp_path, capsys
+):
+    from trae_groups.cli import main
+
+    graph = tmp_path / "lora.yaml"
+    graph.write_text(f"""name: lora
+models:
+  dialog:
+    task: generate
+    versions:
+      v1: {llama_dir}
+      v2: {{adapter: ./gone}}
+    adapters:
+      short: {loras["short"]}
+      nowhere: ./nowhere
+nodes:
+  reply: {{model: dialog, prompt: "hi"}}
+outputs: {{reply: reply.text}}
+""")
+    assert main(["validate", str(graph)]) == 1
+    err = capsys.readouterr().err
+    assert f"lora.yaml:7: model 'dialog': no LoRA adapter at {tmp_path / 'gone'}" in err
+    assert f"lora.yaml:10: model 'dialog': no LoRA adapter at {tmp_path / 'nowhere'}" in err
+    assert "short" not in err

@@ -141,7 +141,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _missing_models(spec) -> list:
-    """Model folders that do not exist (or hold no config.json), located in the file."""
+    """Model folders that do not exist (or hold no config.json) and LoRA adapter folders
+    without an adapter_config.json, located in the file."""
     from trae_groups.graphs.errors import SourceMap
 
     source = spec.source or SourceMap("<spec>")
@@ -158,6 +159,13 @@ def _missing_models(spec) -> list:
             elif not (folder / "config.json").is_file():
                 message = f"model '{name}': no model at {folder} (no config.json)"
                 issues.append(source.issue(where, message))
+        adapters = {**(model.adapters or {}), **model.version_adapters}
+        for adapter, text in adapters.items():  # LoRA folders, located the same way
+            folder = spec.adapter_path(text)
+            key = "adapters" if adapter in (model.adapters or {}) else "versions"
+            if not (folder / "adapter_config.json").is_file():
+                message = f"model '{name}': no LoRA adapter at {folder} (no adapter_config.json)"
+                issues.append(source.issue(("models", name, key, adapter), message))
     return issues
 
 
