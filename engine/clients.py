@@ -7,6 +7,7 @@ and an abort goes straight to that worker.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import replace
@@ -156,6 +157,7 @@ class LocalLLM:
             request_id=request.request_id,
             sink=stream.put,
             priority=request.priority,
+            adapter=request.adapter,
         )
         return stream
 
@@ -164,6 +166,32 @@ class LocalLLM:
 
     def stats(self) -> ModelStats:
         return self.worker.model_stats()
+
+
+class AdapterClient:
+    """A LoRA adapter on a base LLM's client, as a model of its own (a version that is an
+    adapter): every request it generates runs with ``adapter`` unless it names one."""
+
+    task = "generate"
+
+    def __init__(self, base: LocalLLM, adapter: str):
+        self.base = base
+        self.adapter = adapter
+        self.name = base.name  # the engine's model (metrics count the base's work)
+
+    async def encode(self, request: EncodeRequest) -> dict[str, Any]:
+        return await self.base.encode(request)
+
+    def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
+        if request.adapter is None:
+            request = dataclasses.replace(request, adapter=self.adapter)
+        return self.base.generate(request)
+
+    def abort(self, request_id: str) -> None:
+        self.base.abort(request_id)
+
+    def stats(self) -> ModelStats:
+        return self.base.stats()
 
 
 async def chunks(stream: OutputStream) -> AsyncGenerator[GenerationChunk, None]:

@@ -57,6 +57,10 @@ class EngineConfig:
     # then older first; "graph": deeper, then older; "fifo": older first
     scheduling: str = "deadline"
     num_threads: int | None = None
+    # LoRA adapters of one model resident at once (more are loaded on demand, least recently
+    # used evicted) and the highest adapter rank a model takes (its slots are this wide)
+    max_loras: int = 4
+    max_lora_rank: int = 16
     # torch.compile decode-only steps (CPU), the batch padded up to one of these sizes; each is
     # compiled when the model is added (seconds each); other steps run eagerly
     compile: bool = False
@@ -77,7 +81,7 @@ class EngineConfig:
             raise ValueError("pool_fraction: must be in (0, 0.95]")
         if self.gpu_memory_reservation is not None and not 0.0 < self.gpu_memory_reservation <= 1:
             raise ValueError("gpu_memory_reservation: must be in (0, 1]")
-        for name in ("tokens_per_page", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("tokens_per_page", "max_num_seqs", "max_num_batched_tokens", "max_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
         for name in ("long_prefill_token_threshold", "max_prompt_tokens", "max_tokens_limit"):
@@ -95,6 +99,8 @@ class EngineConfig:
             )
         if self.scheduling not in POLICIES:
             raise ValueError(f"scheduling: must be one of {POLICIES}, got {self.scheduling!r}")
+        if self.max_lora_rank < 1:
+            raise ValueError("max_lora_rank: must be >= 1")
         if not self.compile_batch_sizes or min(self.compile_batch_sizes) < 1:
             raise ValueError("compile_batch_sizes: must be a non-empty list of sizes >= 1")
         if self.weight_budget is not None and self.weight_budget <= 0:

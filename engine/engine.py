@@ -161,10 +161,12 @@ class LLMEngine:
         max_num_seqs: int | None = None,
         max_prompt_tokens: int | None = None,
         max_tokens_limit: int | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
     ) -> LLMWorker:
         """Load a causal LM (or take one already loaded with our attention) onto the
-        engine; ``max_num_seqs``, ``max_prompt_tokens`` and ``max_tokens_limit``
-        override the engine's for this model."""
+        engine; ``max_num_seqs``, ``max_prompt_tokens``, ``max_tokens_limit``,
+        ``max_loras`` and ``max_lora_rank`` override the engine's for this model."""
         if name in self.loop.workers:
             raise ValueError(f"a model named {name!r} is already on this engine")
         if model is None:
@@ -181,13 +183,16 @@ class LLMEngine:
             if fast_linear_available() and pack_linears(model):
                 # the plain weights packing replaced: not counted, their file pages given back
                 self.store.settle(model)
-        config = self.config
-        if max_num_seqs is not None:
-            config = dataclasses.replace(config, max_num_seqs=max_num_seqs)
-        if max_prompt_tokens is not None:
-            config = dataclasses.replace(config, max_prompt_tokens=max_prompt_tokens)
-        if max_tokens_limit is not None:
-            config = dataclasses.replace(config, max_tokens_limit=max_tokens_limit)
+        overrides = {
+            "max_num_seqs": max_num_seqs,
+            "max_prompt_tokens": max_prompt_tokens,
+            "max_tokens_limit": max_tokens_limit,
+            "max_loras": max_loras,
+            "max_lora_rank": max_lora_rank,
+        }
+        config = dataclasses.replace(
+            self.config, **{k: v for k, v in overrides.items() if v is not None}
+        )
         worker = LLMWorker(
             name,
             model,
@@ -208,6 +213,15 @@ class LLMEngine:
         if self._pool_sized and self.loop.running:  # an on-demand model, a new version
             self._log_capacity(worker)
         return worker
+
+    def add_adapter(self, model: str, name: str, path: str | Path):
+        """Register a PEFT LoRA adapter folder on a model of this engine (checked now);
+        requests name it with ``adapter=``."""
+        return self.llm(model).add_adapter(name, str(path))
+
+    def remove_adapter(self, model: str, name: str) -> None:
+        """Take an adapter off; refused while a request still uses it."""
+        self.llm(model).remove_adapter(name)
 
     def remove_worker(self, name: str) -> Worker:
         """Take a model off the engine: its pending requests fail, its pages return
@@ -256,6 +270,7 @@ class LLMEngine:
         request_id: str | None = None,
         model: str | None = None,
         priority: Priority | None = None,
+        adapter: str | None = None,
     ) -> str:
         """Queue one request; ``sink(output)`` is called on the engine thread."""
         if not self.loop.running:
@@ -263,7 +278,12 @@ class LLMEngine:
         worker = self.llm(model)
         request_id = request_id or new_request_id()
         worker.submit(
-            prompt, params or SamplingParams(), request_id=request_id, sink=sink, priority=priority
+            prompt,
+            params or SamplingParams(),
+            request_id=request_id,
+            sink=sink,
+            priority=priority,
+            adapter=adapter,
         )
         return request_id
 
@@ -275,11 +295,18 @@ class LLMEngine:
         request_id: str | None = None,
         model: str | None = None,
         priority: Priority | None = None,
+        adapter: str | None = None,
     ) -> OutputStream:
         """From a running asyncio loop: validate and queue now, stream outputs later."""
         stream = OutputStream(self.abort, asyncio.get_running_loop())
         stream.request_id = self.submit(
-            prompt, params, sink=stream.put, request_id=request_id, model=model, priority=priority
+            prompt,
+            params,
+            sink=stream.put,
+            request_id=request_id,
+            model=model,
+            priority=priority,
+            adapter=adapter,
         )
         return stream
 
@@ -292,13 +319,15 @@ class LLMEngine:
         prompts: Sequence[str | list[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         model: str | None = None,
+        adapters: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Blocking batch generation. With the loop thread running (serving), the
+        """Blocking batch generation (``adapters``: one LoRA adapter name or None per prompt). With the loop thread running (serving), the
         requests join it; otherwise the engine steps right here, in the calling
         thread — faster for offline batches, as torch's OpenMP threads then serve
         one caller only (a second thread running torch ops makes both slower)."""
         if not isinstance(params, Sequence):
             params = [params or SamplingParams()] * len(prompts)
+        adapters = [None] * len(prompts) if adapters is None else list(adapters)
         inline = not self.loop.running
         if inline:
             self.size_pool()
@@ -317,14 +346,20 @@ class LLMEngine:
         worker = self.llm(model)
         ids = []
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            for i, (prompt, p, adapter) in enumerate(zip(prompts, params, adapters, strict=True)):
                 if inline:
                     ids.append(new_request_id())
                     worker.submit(
-                        prompt, p or SamplingParams(), request_id=ids[-1], sink=sink_for(i)
+                        prompt,
+                        p or SamplingParams(),
+                        request_id=ids[-1],
+                        sink=sink_for(i),
+                        adapter=adapter,
                     )
                 else:
-                    ids.append(self.submit(prompt, p, sink=sink_for(i), model=model))
+                    ids.append(
+                        self.submit(prompt, p, sink=sink_for(i), model=model, adapter=adapter)
+                    )
         except BaseException:
             for request_id in ids:  # a bad prompt refuses the whole batch
                 worker.abort(request_id)

@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from trae_groups.engine.lora import LoraSlots, lora_rows
 from trae_groups.engine.memory_pool import KVLayout, KVView
 from trae_groups.engine.scheduler import SchedulerOutput
 from trae_groups.kernels import AttentionBackend, PagedBatch
+from trae_groups.kernels.lora import LoraRows
 
 ATTN_NAME = "trae_paged"
 log = logging.getLogger("trae_groups.engine")
@@ -129,6 +131,7 @@ class ModelInputs:
     position_ids: torch.Tensor  # [1, T]
     sample_rows: torch.Tensor  # rows of T whose logits are needed
     batch: PagedBatch
+    lora: LoraRows | None = None  # each row's adapter slot; None: every row is the base's
 
 
 class CompiledDecode:
@@ -222,6 +225,7 @@ class LLMRunner:
         self.backend = backend
         self.device = next(model.parameters()).device
         self.compiled: CompiledDecode | None = None
+        self.lora: LoraSlots | None = None  # the model's adapters, once it has any
 
     def enable_compile(self, sizes: tuple[int, ...]) -> float:
         """Compile decode steps for these padded batch sizes (CPU only); returns the
@@ -249,6 +253,7 @@ class LLMRunner:
         context_lens: list[int] = []
         sample_rows: list[int] = []
         tables: list[list[int]] = []
+        row_slots: list[int] = []
         for item in sched.scheduled:
             seq, lo = item.seq, item.seq.num_computed
             hi = lo + item.num_new
@@ -262,10 +267,14 @@ class LLMRunner:
             if item.samples:
                 sample_rows.append(starts[-1] - 1)
             tables.append(pages[: -(-hi // page)])
+            if self.lora is not None:
+                row_slots.extend([self.lora.slot_of(seq.adapter)] * item.num_new)
         width = max(len(t) for t in tables)
         padded = [page_id for t in tables for page_id in t + [0] * (width - len(t))]
-        ids_t, positions_t, slots_t, lens_t, rows_t, tables_t = self._to_device(
-            ids, positions, slots, context_lens, sample_rows, padded
+        if row_slots and max(row_slots) < 0:
+            row_slots = []  # base rows only: nothing to add
+        ids_t, positions_t, slots_t, lens_t, rows_t, tables_t, lora_t = self._to_device(
+            ids, positions, slots, context_lens, sample_rows, padded, row_slots
         )
         batch = PagedBatch(
             slot_mapping=slots_t,
@@ -281,6 +290,7 @@ class LLMRunner:
             position_ids=positions_t.view(1, -1),
             sample_rows=rows_t,
             batch=batch,
+            lora=lora_rows(lora_t, row_slots) if row_slots else None,
         )
 
     def _to_device(self, *parts: list[int]) -> tuple[torch.Tensor, ...]:
@@ -296,7 +306,7 @@ class LLMRunner:
     @torch.inference_mode()
     def run(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits [num_sampling_rows, vocab] (float32)."""
-        if self.compiled is not None:
+        if self.compiled is not None and inputs.lora is None:  # adapter rows run eagerly
             size = self.compiled.size_for(inputs)
             if size is not None:
                 try:
@@ -306,12 +316,18 @@ class LLMRunner:
                     # the same slots with the same values)
                     log.exception("compiled decode failed; this model runs eagerly from now on")
                     self.compiled = None
-        # a chunk that ends before its prompt does keeps no rows: only the cache fills
-        out = self.model(
-            input_ids=inputs.input_ids,
-            position_ids=inputs.position_ids,
-            use_cache=False,
-            logits_to_keep=inputs.sample_rows,
-            trae_step=StepContext(inputs.batch, self.kv, self.backend),
-        )
+        if self.lora is not None:
+            self.lora.rows = inputs.lora  # what the wrapped linears read during this forward
+        try:
+            # a chunk that ends before its prompt does keeps no rows: only the cache fills
+            out = self.model(
+                input_ids=inputs.input_ids,
+                position_ids=inputs.position_ids,
+                use_cache=False,
+                logits_to_keep=inputs.sample_rows,
+                trae_step=StepContext(inputs.batch, self.kv, self.backend),
+            )
+        finally:
+            if self.lora is not None:
+                self.lora.rows = None
         return out.logits[0].float()

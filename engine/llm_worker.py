@@ -22,6 +22,7 @@ from trae_groups.engine.deadlines import rank
 from trae_groups.engine.detokenizer import find_stop, update_text
 from trae_groups.engine.errors import EngineStopped, RequestError
 from trae_groups.engine.llm_runner import LLMRunner, activation_dtype, kv_layout
+from trae_groups.engine.lora import Adapter, LoraSlots
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.protocol import ModelStats, Window
 from trae_groups.engine.sampling import Sampler, SamplingParams
@@ -29,6 +30,7 @@ from trae_groups.engine.scheduler import Scheduler, SchedulerOutput
 from trae_groups.engine.sequence import RequestOutput, Sequence
 from trae_groups.engine.worker import Priority, Urgency, Worker
 from trae_groups.kernels import AttentionBackend
+from trae_groups.kernels.lora import select_lora_kernel
 
 log = logging.getLogger("trae_groups.engine")
 
@@ -83,7 +85,10 @@ class LLMWorker(Worker):
             policy=config.scheduling,
             zero_pages=backend.needs_zeroed_pages,
             long_prefill_tokens=config.long_prefill_tokens,
+            admissible=self._adapter_ready,
         )
+        self.max_loras = config.max_loras
+        self.max_lora_rank = config.max_lora_rank
         self.sampler = Sampler()
         self.eos_ids = _eos_ids(model, tokenizer)
         self._lock = threading.Lock()
@@ -128,8 +133,10 @@ class LLMWorker(Worker):
         request_id: str,
         sink: Callable[[RequestOutput], None],
         priority: Priority | None = None,
+        adapter: str | None = None,
     ) -> None:
         """Validate, then queue. Raises RequestError before any work is done."""
+        salt = self._adapter_salt(adapter)
         tokens = self.encode(prompt)
         if not tokens:
             raise RequestError("prompt", "is empty")
@@ -163,7 +170,14 @@ class LLMWorker(Worker):
             )
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = Sequence(
-            request_id, tokens, params, sink, priority or Priority(), generator=generator
+            request_id,
+            tokens,
+            params,
+            sink,
+            priority or Priority(),
+            generator=generator,
+            adapter=adapter,
+            cache_salt=salt,
         )
         if params.constraint is not None:  # compiled here, on the submitting thread
             seq.matcher = self.grammars().matcher(params.constraint)
@@ -173,6 +187,74 @@ class LLMWorker(Worker):
             self._live[request_id] = seq
             self._inbox.append(seq)
         self.wake()
+
+    # -- adapters (any thread) -----------------------------------------------------------
+    @property
+    def adapters(self) -> LoraSlots | None:
+        """This model's LoRA adapters (None until the first is added)."""
+        return self.runner.lora
+
+    def add_adapter(self, name: str, folder: str) -> Adapter:
+        """Register a PEFT LoRA folder under ``name`` (checked now: ModelLoadError); it takes
+        a slot when a request first needs it."""
+        with self._lock:
+            if self.runner.lora is None:
+                device = next(self.model.parameters()).device
+                dtype = next(self.model.parameters()).dtype
+                self.runner.lora = LoraSlots(
+                    self.model,
+                    self.max_loras,
+                    self.max_lora_rank,
+                    dtype,
+                    device,
+                    kernel=select_lora_kernel(device),
+                )
+        return self.runner.lora.register(name, folder)
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget an adapter; refused (RequestError) while a request still uses it."""
+        with self._lock:
+            lora = self.runner.lora
+            if lora is None or lora.get(name) is None:
+                raise RequestError("adapter", f"model {self.name!r} has no adapter {name!r}")
+            busy = self._adapter_users(name)
+            if busy:
+                raise RequestError("adapter", f"{name!r} still serves {busy} request(s)")
+            lora.unregister(name)
+
+    def adapter_users(self, name: str) -> int:
+        """Requests running or waiting with this adapter now."""
+        with self._lock:
+            return self._adapter_users(name)
+
+    def _adapter_users(self, name: str) -> int:
+        return sum(1 for seq in self._live.values() if seq.adapter == name)
+
+    def _adapter_salt(self, adapter: str | None) -> int:
+        if adapter is None:
+            return 0
+        found = self.runner.lora.get(adapter) if self.runner.lora is not None else None
+        if found is None:
+            known = self.runner.lora.names() if self.runner.lora is not None else []
+            raise RequestError(
+                "adapter", f"model {self.name!r} has no adapter {adapter!r}; known: {known}"
+            )
+        return found.uid
+
+    def _adapter_ready(self, seq: Sequence) -> bool:
+        return self.runner.lora is None or self.runner.lora.is_resident(seq.adapter)
+
+    def _load_adapters(self) -> None:
+        """Engine thread, before scheduling: slots for the adapters waiting requests need
+        (most urgent first); a request whose adapter cannot be read any more fails."""
+        lora = self.runner.lora
+        if lora is None:
+            return
+        wanted = [s.adapter for s in self.scheduler.waiting if s.adapter is not None]
+        in_use = {s.adapter for s in self.scheduler.running if s.adapter is not None}
+        for name, exc in lora.make_room(wanted, in_use):
+            for seq in [s for s in self.scheduler.waiting if s.adapter == name]:
+                self._fail(seq, f"adapter {name!r} could not be loaded: {exc}")
 
     @property
     def idle(self) -> bool:
@@ -212,12 +294,17 @@ class LLMWorker(Worker):
     def step(self) -> None:
         self._take_new_and_aborts()
         self._drop_expired()
+        self._load_adapters()
         sched = self.scheduler.schedule()
         if not sched:
             if self.scheduler.waiting:  # pages are held elsewhere; look again soon
                 self._stalled_until = time.monotonic() + _STALL_POLL_S
             return
         self._stalled_until = 0.0
+        if self.runner.lora is not None:  # an adapter's rows contiguous: one run each
+            slot = self.runner.lora.slot_of
+            sched.decodes.sort(key=lambda item: slot(item.seq.adapter))
+            sched.prefills.sort(key=lambda item: slot(item.seq.adapter))
         self._note_first_scheduled(sched)
         try:
             inputs = self.runner.prepare(sched)
@@ -235,6 +322,8 @@ class LLMWorker(Worker):
             for item in sched.scheduled:
                 self._fail(item.seq, f"{type(exc).__name__}: {exc}")
             return
+        if self.runner.lora is not None:
+            self.runner.lora.touch(i.seq.adapter for i in sched.scheduled if i.seq.adapter)
         self.num_steps += 1
         self.batch_tokens.append(sched.num_tokens)
         self._postprocess(sched, sampling, result)
@@ -384,12 +473,19 @@ class LLMWorker(Worker):
         s = self.stats()
         keys = ("steps", "generated_tokens", "prompt_tokens", "cached_tokens", "preemptions",
                 "fragmentation", "deadline_drops")  # fmt: skip
+        lora = self.runner.lora
+        adapters = {} if lora is None else {
+            "adapters": float(len(lora.names())),
+            "adapter_slot_bytes": float(lora.slot_bytes()),
+            "adapter_loads": float(lora.num_loads),
+            "adapter_evictions": float(lora.num_evictions),
+        }  # fmt: skip
         return ModelStats(
             self.name,
             "llm",
             running=s["running"],
             waiting=s["waiting"],
-            counters={k: float(s[k]) for k in keys},
+            counters={**{k: float(s[k]) for k in keys}, **adapters},
             windows={
                 "queue_seconds": Window(tuple(self.queue_waits), self.num_started),
                 "ttft_seconds": Window(tuple(self.ttft), self.num_first_tokens),

@@ -74,6 +74,7 @@ class GenerateRequest:
     #: far): compute and cache the KV of its tokens that cannot change as the text grows,
     #: and produce no text. One final chunk says how many tokens were cached.
     prefix_only: bool = False
+    adapter: str | None = None  # a LoRA adapter on the model (None: the base model)
 
     def __post_init__(self):
         if (self.prompt is None) == (self.messages is None):

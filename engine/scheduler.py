@@ -8,13 +8,14 @@ others wait, a prompt chunk takes at most ``long_prefill_tokens`` so that the wa
 ones are admitted in the same step, and whatever budget admission leaves goes back to
 those capped chunks. Out of pages, the most recently admitted sequence is preempted:
 its pages go back (full ones stay in the prefix cache) and it is recomputed later from
-its tokens, so its output does not change.
+its tokens, so its output does not change. A waiting sequence that cannot run yet (its
+LoRA adapter has no slot, ``admissible``) is passed over, not waited on.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from trae_groups.engine.deadlines import expired, rank
@@ -61,7 +62,9 @@ class Scheduler:
         policy: str = "deadline",
         zero_pages: bool = True,
         long_prefill_tokens: int | None = None,  # None: a chunk may take the whole budget
+        admissible: Callable[[Sequence], bool] | None = None,  # None: every sequence can run
     ):
+        self.admissible = admissible
         self.policy = policy
         self.long_prefill_tokens = long_prefill_tokens
         self.zero_pages = zero_pages  # what the attention backend needs of new pages
@@ -115,14 +118,16 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if out.preempted:  # memory is tight: let the running ones finish first
                 break
-            seq = self.waiting[0]
+            seq = self._next_admissible()
+            if seq is None:
+                break
             if seq.num_computed == 0:
                 self._match_prefix(seq)
             num_new = self._chunk(seq, budget, len(self.waiting) > 1)
             if not self._reserve(seq, seq.num_computed + num_new):
                 self._release(seq)  # don't sit on prefix pages while waiting
                 break
-            self.waiting.pop(0)
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self._admissions += 1
             seq.admitted_seq = self._admissions
@@ -131,6 +136,11 @@ class Scheduler:
             budget -= num_new
         self._top_up(out, capped, budget)
         return out
+
+    def _next_admissible(self) -> Sequence | None:
+        if self.admissible is None:
+            return self.waiting[0]
+        return next((s for s in self.waiting if self.admissible(s)), None)
 
     def _chunk(self, seq: Sequence, budget: int, others_wait: bool) -> int:
         num_new = min(seq.num_uncomputed, max(budget, 0))
@@ -181,13 +191,14 @@ class Scheduler:
 
     # -- prefix cache ----------------------------------------------------------
     def _block_key(self, seq: Sequence, index: int) -> Hashable:
-        """Key of full block ``index``: the model plus a hash chain over its tokens."""
+        """Key of full block ``index``: the model plus a hash chain over its tokens, salted
+        by the sequence's adapter (KV computed with one adapter is never another's)."""
         while len(seq.block_hashes) <= index:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[i - 1] if i else 0
+            parent = seq.block_hashes[i - 1] if i else seq.cache_salt
             block = tuple(seq.token_ids[i * self.page : (i + 1) * self.page])
             seq.block_hashes.append(hash((parent, block)))
-        parent = seq.block_hashes[index - 1] if index else 0
+        parent = seq.block_hashes[index - 1] if index else seq.cache_salt
         block = tuple(seq.token_ids[index * self.page : (index + 1) * self.page])
         return (self.cache_key, parent, block)
 

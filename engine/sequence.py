@@ -56,6 +56,8 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     matcher: Any = None  # a constraint's matcher (engine/constraints.py), fed each output token
+    adapter: str | None = None  # the LoRA adapter its rows run with (None: the base alone)
+    cache_salt: int = 0  # keys its prefix-cache blocks apart from other adapters' (0: base)
     text: str = ""
     sent_text_len: int = 0
     sent_tokens: int = 0

@@ -130,6 +130,26 @@ def _check_model(walk: _Walk, name: str, node: NodeSpec) -> None:
             f"a {node.kind} node cannot run on model '{node.model}' (its task is {model.task})",
             name,
         )
+    elif getattr(node, "adapter", None) is not None:
+        _check_adapter(walk, name, node, model)
+
+
+def _check_adapter(walk: _Walk, name: str, node: NodeSpec, model) -> None:
+    path = ("nodes", name, "adapter")
+    known = model.adapters or {}
+    if model.version_adapters:
+        walk.add(
+            path,
+            f"model '{node.model}' has versions that are adapters: a node picks its adapter "
+            "or the route does, not both",
+            name,
+        )
+    elif node.adapter not in known:
+        hint = _suggest(node.adapter, known) if known else ""
+        where = f"its adapters: {sorted(known)}" if known else "it has no adapters"
+        walk.add(
+            path, f"model '{node.model}' has no adapter '{node.adapter}' ({where}){hint}", name
+        )
 
 
 def _check_function(walk: _Walk, name: str, node: NodeSpec, policy: FunctionPolicy) -> None:

@@ -334,6 +334,7 @@ class GenerateNode(NodeBase):
     messages: Messages | None = None
     params: GenerateParams = GenerateParams()
     output_schema: dict[str, JsonValue] | None = None
+    adapter: str | None = None  # one of the model's LoRA ``adapters`` (None: the base)
     _sampling: SamplingParams | None = PrivateAttr(None)
 
     @model_validator(mode="after")
@@ -407,7 +408,13 @@ def generate_request(
     else:
         text = {"messages": tuple(payload["messages"])}
     return GenerateRequest(
-        request_id, node.sampling(), priority=call.priority, session=session, **text, **extra
+        request_id,
+        node.sampling(),
+        priority=call.priority,
+        session=session,
+        adapter=node.adapter,
+        **text,
+        **extra,
     )
 
 

@@ -23,13 +23,14 @@ from tqdm.auto import tqdm
 from trae_groups.engine.accuracy_gate import DEFAULT_MAX_DROP, read_eval_set
 from trae_groups.engine.auto_weights import load_auto
 from trae_groups.engine.batcher import BatcherConfig
-from trae_groups.engine.clients import LocalEncoder, LocalLLM
+from trae_groups.engine.clients import AdapterClient, LocalEncoder, LocalLLM
 from trae_groups.engine.config import DTYPES, EngineConfig
 from trae_groups.engine.encoder_worker import EncoderWorker
 from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.errors import ModelLoadError
 from trae_groups.engine.hardware import Hardware, detect
 from trae_groups.engine.llm_runner import ATTN_NAME
+from trae_groups.engine.lora import AdapterReport
 from trae_groups.engine.memory import trim_heap
 from trae_groups.engine.protocol import EngineStats
 from trae_groups.engine.residency import Loaded as Resident
@@ -131,7 +132,13 @@ class ModelRuntime:
             for name, model in graph.spec.models.items()
         }
         for name, versioned in models.items():
-            versioned.sources = {v: str(graph.spec.model_path(name, v)) for v in versioned.clients}
+            adapters = graph.spec.models[name].version_adapters  # those show their own folder
+            versioned.sources = {
+                v: str(graph.spec.adapter_path(adapters[v]))
+                if v in adapters
+                else str(graph.spec.model_path(name, v))
+                for v in versioned.clients
+            }
         executor = GraphExecutor(graph, models, functions)
         self.graphs[graph.spec.name] = executor
         return executor
@@ -160,14 +167,46 @@ class ModelRuntime:
                          disable=None if new else True, leave=False)  # fmt: skip
         try:
             shared = self._load_encoders([w for w in wanted if w[2].task != "generate"])
-            return {
+            clients = {
                 (name, version): shared.get((name, version))
                 or self._acquire(name, version, model, path)
                 for name, version, model, path in wanted
             }
+            for name in chosen:
+                clients.update(self._with_adapters(spec, name, clients))
+            return clients
         finally:
             self._bar.close()
             self._bar = None
+
+    def _with_adapters(self, spec: GraphSpec, name: str, clients: dict) -> dict:
+        """Register the model's LoRA adapters on its worker(s); a version that is an adapter
+        gets a client of its own on the base's worker (returned, keyed (model, version))."""
+        model = spec.models[name]
+        for version in model.sources:
+            if version not in model.version_adapters and model.adapters:
+                worker = clients[(name, version)].worker
+                for adapter, folder in model.adapters.items():
+                    self._register(worker, adapter, spec.adapter_path(folder))
+        versions = {}
+        for version, folder in model.version_adapters.items():
+            base = clients[(name, version)]
+            self._register(base.worker, version, spec.adapter_path(folder))
+            versions[(name, version)] = AdapterClient(base, version)
+        return versions
+
+    @staticmethod
+    def _register(worker, adapter: str, folder: Path) -> None:
+        """Register an adapter once; the same name from another folder is refused."""
+        folder = Path(folder).expanduser().resolve()
+        held = worker.adapters.get(adapter) if worker.adapters is not None else None
+        if held is None:
+            worker.add_adapter(adapter, str(folder))
+        elif held.path != str(folder):
+            raise ModelLoadError(
+                str(folder),
+                f"model {worker.name!r} already has an adapter {adapter!r} from {held.path}",
+            )
 
     def release(self, executor: GraphExecutor) -> None:
         """A graph no longer served (replaced by a reload, or removed): drop its models'
@@ -187,13 +226,37 @@ class ModelRuntime:
             )
         return executor.models[model]
 
-    def add_version(self, graph: str, model: str, version: str, path: str | Path) -> None:
-        """Load a new version (0% of traffic until a route gives it some)."""
+    def add_version(
+        self, graph: str, model: str, version: str, path: str | Path, adapter: bool = False
+    ) -> None:
+        """Load a new version (0% of traffic until a route gives it some): a model folder,
+        or with ``adapter`` a LoRA adapter folder on the model's base (no second copy)."""
         versioned = self.versioned(graph, model)
         if version in versioned.clients:
             raise RouteError(f"model {model!r} already has a version {version!r}")
         spec = self.graphs[graph].graph.spec.models[model]
+        if adapter:
+            client = self._adapter_version(versioned, model, version, spec, path)
+            versioned.add(version, client, str(path))
+            return
         versioned.add(version, self._acquire(model, version, spec, Path(path)), str(path))
+
+    def _adapter_version(
+        self, versioned: VersionedModel, model: str, version: str, spec: ModelSpec, path
+    ) -> AdapterClient:
+        base = next((c for c in versioned.clients.values() if isinstance(c, LocalLLM)), None)
+        if spec.task != "generate" or base is None:
+            raise RouteError(f"model {model!r} is not a generate model: adapters need one")
+        if spec.adapters and version in spec.adapters:
+            raise RouteError(f"model {model!r} has an adapter named {version!r}; rename one")
+        self._register(base.worker, version, Path(path))
+        self._share(base)
+        return AdapterClient(base, version)
+
+    def _share(self, client: LocalLLM) -> None:
+        for entry in self._by_key.values():
+            if entry.client is client:
+                entry.users += 1
 
     def set_route(self, graph: str, model: str, weights: dict[str, float]) -> dict[str, float]:
         versioned = self.versioned(graph, model)
@@ -207,16 +270,23 @@ class ModelRuntime:
             raise RouteError(f"model {model!r} has no version {version!r}")
         if len(versioned.clients) == 1:
             raise RouteError(f"{version!r} is the only version of {model!r}")
+        client = versioned.clients[version]
+        if isinstance(client, AdapterClient):
+            busy = client.base.worker.adapter_users(client.adapter)
+            if busy:
+                raise RouteError(f"version {version!r} still serves {busy} request(s)")
         self._release(versioned.remove(version))
+        if isinstance(client, AdapterClient):
+            client.base.worker.remove_adapter(client.adapter)
 
     # -- models ------------------------------------------------------------------------
     def _key(self, spec: ModelSpec, path: Path) -> tuple:
         """What makes two model entries one loaded model: folder, task, the weight options
-        (dtype, quantization, gate bound) and the per-request limits an LLM enforces (its
-        weights are shared all the same)."""
+        (dtype, quantization, gate bound), residency, adapter capacity and the per-request
+        limits an LLM enforces (its weights are shared all the same)."""
         dtype = spec.dtype if spec.dtype == "auto" else self._dtype(spec)
         weights = (dtype, spec.quantization, spec.max_accuracy_drop)
-        limits = (spec.max_prompt_tokens, spec.max_tokens_limit)
+        limits = (spec.max_prompt_tokens, spec.max_tokens_limit, spec.max_loras, spec.max_lora_rank)
         return (str(Path(path).resolve()), spec.task, *weights, spec.resident, *limits)
 
     def _dtype(self, spec: ModelSpec):
@@ -289,7 +359,8 @@ class ModelRuntime:
         worker = self.engine.add_llm(
             name, path, model=loaded.model, tokenizer=loaded.tokenizer,
             max_num_seqs=spec.max_batch_size, max_prompt_tokens=spec.max_prompt_tokens,
-            max_tokens_limit=spec.max_tokens_limit,
+            max_tokens_limit=spec.max_tokens_limit, max_loras=spec.max_loras,
+            max_lora_rank=spec.max_lora_rank,
         )  # fmt: skip
         return LocalLLM(worker, lambda: self.engine.loop.running), loaded
 
@@ -353,6 +424,7 @@ class ModelRuntime:
         return clients
 
     def _release(self, client: Any) -> None:
+        client = getattr(client, "base", client)  # an adapter version: its base's reference
         for key, entry in list(self._by_key.items()):
             if entry.client is client:
                 entry.users -= 1
@@ -374,6 +446,18 @@ class ModelRuntime:
         while f"{name}-{n}" in taken:
             n += 1
         return f"{name}-{n}"
+
+    def adapter_report(self) -> dict[str, list[AdapterReport]]:
+        """Engine model name -> its LoRA adapters (what they cost, which hold a slot)."""
+        return {
+            name: worker.adapters.report()
+            for name, worker in self.engine.llms.items()
+            if worker.adapters is not None
+        }
+
+    def adapter_bytes(self) -> int:
+        """What adapters take on the device now: every model's resident slots."""
+        return sum(w.adapters.slot_bytes() for w in self.engine.llms.values() if w.adapters)
 
     def stats(self) -> EngineStats:
         """The engine's typed stats (what metrics and the CLI read)."""

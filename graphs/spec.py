@@ -61,7 +61,7 @@ Quantization = Literal[("auto", "none", *QUANTIZATIONS)]  # type: ignore[valid-t
 InputType = Literal["str", "int", "float", "bool", "list[str]", "messages"]
 
 __all__ = [
-    "KINDS", "KIND_TASKS", "NODE_KINDS", "RESULT_FIELDS", "TASKS", "ClassifyNode",
+    "KINDS", "KIND_TASKS", "NODE_KINDS", "RESULT_FIELDS", "TASKS", "AdapterVersion", "ClassifyNode",
     "EmbedNode", "GenerateNode", "GenerateParams", "GraphSpec", "InputSpec",
     "MessageTemplate", "ModelNode", "ModelSpec", "NodeBase", "NodeSpec", "PythonNode",
     "RerankNode", "SharingPolicy", "TagNode",
@@ -71,16 +71,26 @@ __all__ = [
 # ---------------------------------------------------------------- models, inputs
 
 
+class AdapterVersion(Spec):
+    """A version that is a LoRA adapter (a PEFT folder) on the model's base: it costs no
+    second copy of the base, and runs batched with the base's other requests."""
+
+    adapter: str = Field(min_length=1)
+
+
 class ModelSpec(Spec):
     """A model the graph uses: where its weights are and what it can do.
 
-    Either one ``source`` folder, or ``versions`` (name → folder) with a ``route``
-    (version → percent, summing to 100; default: all traffic to the first version)
-    and an optional ``sticky`` input whose value pins a user to one version.
+    Either one ``source`` folder, or ``versions`` (name → folder, or ``{adapter: folder}``
+    for a LoRA adapter on the model's first folder version) with a ``route`` (version →
+    percent, summing to 100; default: all traffic to the first version) and an optional
+    ``sticky`` input whose value pins a user to one version. A generate model may carry
+    ``adapters`` (name → PEFT LoRA folder) that its generate nodes pick with ``adapter:``.
     """
 
     source: str | None = Field(None, min_length=1)
-    versions: dict[Slug, Annotated[str, Field(min_length=1)]] | None = None
+    versions: dict[Slug, Annotated[str, Field(min_length=1)] | AdapterVersion] | None = None
+    adapters: dict[Slug, Annotated[str, Field(min_length=1)]] | None = None
     route: dict[Slug, Annotated[float, Field(ge=0, le=100)]] | None = None
     sticky: str | None = None
     task: Task
@@ -100,6 +110,9 @@ class ModelSpec(Spec):
     # always, unless the weight budget cannot hold every model of the graphs at once,
     # then on demand (generate models)
     resident: Literal["always", "on_demand"] | None = None
+    # generate models with adapters: resident at once, and the highest rank (engine defaults)
+    max_loras: int | None = Field(None, gt=0)
+    max_lora_rank: int | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -119,7 +132,12 @@ class ModelSpec(Spec):
                 raise ValueError(f"route weights must sum to 100, not {sum(self.route.values()):g}")
         if self.sticky is not None and self.versions is None:
             raise ValueError("'sticky' needs 'versions'")
-        limits = [f for f in ("max_prompt_tokens", "max_tokens_limit") if getattr(self, f)]
+        self._check_adapters()
+        limits = [
+            f
+            for f in ("max_prompt_tokens", "max_tokens_limit", "max_loras", "max_lora_rank")
+            if getattr(self, f)
+        ]
         if limits and self.task != "generate":
             raise ValueError(f"{limits[0]} is for generate models, not {self.task}")
         if self.resident == "on_demand" and self.task != "generate":
@@ -136,10 +154,33 @@ class ModelSpec(Spec):
             raise ValueError(f"eval_set is for classify models, not {self.task}")
         return self
 
+    def _check_adapters(self) -> None:
+        adapted = sorted(self.version_adapters)
+        if (adapted or self.adapters) and self.task != "generate":
+            raise ValueError(f"LoRA adapters are for generate models, not {self.task}")
+        if adapted and len(adapted) == len(self.versions):
+            raise ValueError(
+                f"version(s) {adapted} are adapters: they need a version that is a model "
+                "folder to run on"
+            )
+        both = sorted(set(adapted) & set(self.adapters or {}))
+        if both:
+            raise ValueError(f"{both} name both a version and an adapter; rename one")
+
     @property
     def sources(self) -> dict[str, str]:
-        """Version name → folder; an unversioned model has one version, "default"."""
-        return dict(self.versions) if self.versions is not None else {"default": self.source}
+        """Version name → model folder; an unversioned model has one version, "default".
+        A version that is an adapter runs on the first folder version: that folder."""
+        if self.versions is None:
+            return {"default": self.source}
+        base = next(v for v in self.versions.values() if isinstance(v, str))
+        return {n: v if isinstance(v, str) else base for n, v in self.versions.items()}
+
+    @property
+    def version_adapters(self) -> dict[str, str]:
+        """Version name → adapter folder, for the versions that are LoRA adapters."""
+        versions = self.versions or {}
+        return {n: v.adapter for n, v in versions.items() if isinstance(v, AdapterVersion)}
 
     @property
     def weights(self) -> dict[str, float]:
@@ -299,6 +340,12 @@ class GraphSpec(Spec):
         if given is None:
             return None
         path = Path(os.path.expandvars(given)).expanduser()
+        base = self._source.base_dir if self._source else None
+        return path if path.is_absolute() or base is None else base / path
+
+    def adapter_path(self, folder: str) -> Path:
+        """An adapter folder the graph names, resolved as model folders are."""
+        path = Path(os.path.expandvars(folder)).expanduser()
         base = self._source.base_dir if self._source else None
         return path if path.is_absolute() or base is None else base / path
 

@@ -153,3 +153,55 @@ def node_module(folder: Path, name: str, source: str):
     finally:
         sys.path.remove(str(folder))
         sys.modules.pop(name, None)
+
+
+# three LoRA adapters of different ranks, alphas and target modules (peft's own save_pretrained)
+LORA_VARIANTS = {
+    "short": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "mlp": dict(r=8, lora_alpha=16, target_modules=["o_proj", "up_proj", "down_proj"]),
+    "wide": dict(r=16, lora_alpha=8, use_rslora=True, target_modules="all-linear",
+                 rank_pattern={"down_proj": 12}, alpha_pattern={"k_proj": 32}),
+}  # fmt: skip
+
+
+def build_lora(folder: Path, base: Path, seed: int = 0, **lora) -> Path:
+    """A random-init PEFT LoRA adapter on the model at ``base``, saved by peft itself. Its
+    B matrices are random too (peft starts them at zero), so it changes what is generated."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    config = peft.LoraConfig(init_lora_weights=False, **lora)
+    wrapped = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.mul_(3.0)
+    wrapped.save_pretrained(folder)
+    return folder
+
+
+def lora_reference(base: Path, adapter: Path | None, prompt: list[int], max_new: int) -> list[int]:
+    """peft's merged model (``merge_and_unload``) through transformers' greedy generate."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    key = (str(base), str(adapter))
+    if key not in _LORA_REFS:
+        model = AutoModelForCausalLM.from_pretrained(base)
+        if adapter is not None:
+            model = peft.PeftModel.from_pretrained(model, adapter).merge_and_unload()
+        _LORA_REFS[key] = model.eval()
+    done = (*key, tuple(prompt), max_new)
+    if done not in _LORA_OUTPUTS:  # several tests ask for the same rows
+        with torch.no_grad():
+            out = _LORA_REFS[key].generate(
+                torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False
+            )
+        _LORA_OUTPUTS[done] = out[0, len(prompt) :].tolist()
+    return _LORA_OUTPUTS[done]
+
+
+_LORA_REFS: dict = {}
+_LORA_OUTPUTS: dict = {}

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import build_encoder, build_llm
+from conftest import LORA_VARIANTS, build_encoder, build_llm, build_lora
 from trae_groups.engine import EngineConfig
 from trae_groups.graphs.errors import GraphValidationError
 from trae_groups.graphs.loader import load_graph_text
@@ -32,7 +32,9 @@ pytestmark = pytest.mark.timeout(600)
 
 ENGINE = EngineConfig(pool_bytes=8 << 20, fast_linear=False, num_threads=1)
 TEXTS = ["hello where is my order", "john wants a refund", "ship to paris please"]
-SHORT = ["intent", "reply", "recap", "checked"]  # what most tests ask for (story is 1,500 tokens)
+# what most tests ask for (story is 1,500 tokens); tuned runs on a LoRA adapter, whose
+# name crosses to the replica inside the GenerateRequest
+SHORT = ["intent", "reply", "tuned", "recap", "checked"]
 
 
 def graph_yaml(root: Path, deploy: str) -> str:
@@ -40,7 +42,7 @@ def graph_yaml(root: Path, deploy: str) -> str:
 name: support
 models:
   intent: {{source: {root / "intent"}, task: classify}}
-  dialog: {{source: {root / "dialog"}, task: generate}}
+  dialog: {{source: {root / "dialog"}, task: generate, adapters: {{terse: {root / "terse"}}}}}
 inputs: {{text: str}}
 nodes:
   intent: {{model: intent, input: "{{{{ inputs.text }}}}"}}
@@ -48,6 +50,7 @@ nodes:
     model: dialog
     prompt: "Intent: {{{{ intent.label }}}}. User: {{{{ inputs.text }}}}. Assistant:"
     params: {{max_tokens: 8}}
+  tuned: {{model: dialog, adapter: terse, prompt: "User: {{{{ inputs.text }}}}", params: {{max_tokens: 8}}}}
   story: {{model: dialog, prompt: "Story: {{{{ inputs.text }}}}", params: {{max_tokens: 1500}}}}
   check:  # a guard on the reply's stream (it holds the reply's tokens until it passes them)
     model: intent
@@ -59,7 +62,7 @@ nodes:
     follows: {{node: reply, tokens: 2}}
     prompt: "Intent: {{{{ intent.label }}}}. User: {{{{ inputs.text }}}}. Recap: {{{{ reply.text }}}}"
     params: {{max_tokens: 4}}
-outputs: {{intent: intent.label, reply: reply.text, story: story.text, recap: recap.text,
+outputs: {{intent: intent.label, reply: reply.text, tuned: tuned.text, story: story.text, recap: recap.text,
            checked: check.last.label}}
 deploy:
   ingress: {{num_cpus: 0.1}}
@@ -100,6 +103,7 @@ def models(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("cluster_models")
     build_encoder(root / "intent", "classify", ["greet", "order", "spam"], seed=3)
     build_llm(root / "dialog", "llama", max_position_embeddings=4096)  # long generations
+    build_lora(root / "terse", root / "dialog", **LORA_VARIANTS["short"])
     return root
 
 

@@ -20,7 +20,7 @@ import torch
 import yaml
 from pydantic import BaseModel
 
-from conftest import build_encoder, build_llm
+from conftest import LORA_VARIANTS, build_encoder, build_llm, build_lora
 from trae_groups.engine import EngineConfig, SamplingParams
 from trae_groups.engine.constraints import Constraint
 from trae_groups.engine.protocol import EncodeOptions
@@ -52,7 +52,7 @@ ROWS: dict[str, dict[str, Any]] = {
 GENERATE_MAX = 4  # every generate row's max_tokens, but the max_tokens row's own
 #: kind -> node-level option (beside ``params``) -> a value that is not its default.
 NODE_ROWS: dict[str, dict[str, Any]] = {
-    "generate": {"output_schema": {"enum": ["yes", "no"]}},
+    "generate": {"output_schema": {"enum": ["yes", "no"]}, "adapter": "tuned"},
 }
 
 
@@ -111,6 +111,7 @@ def dirs(tmp_path_factory) -> dict[str, Path]:
         "embed": build_encoder(root / "emb", "embed", ["x"], seed=3),
         "rerank": build_encoder(root / "rr", "rerank", ["relevant"], seed=4),
         "generate": build_llm(root / "llm", "llama"),
+        "lora": build_lora(root / "lora", root / "llm", **LORA_VARIANTS["short"]),
     }
 
 
@@ -135,9 +136,12 @@ def graph_text(name: str, kind: str, dirs, options: dict[str, Any]) -> str:
     inputs: dict[str, Any] = {"text": "str"}
     if kind == "rerank":
         inputs["docs"] = "list[str]"
+    model = {"source": str(dirs[kind]), "task": KINDS[kind].task}
+    if "adapter" in options:  # the node's adapter is one the model declares
+        model["adapters"] = {options["adapter"]: str(dirs["lora"])}
     graph = {
         "name": name,
-        "models": {MODELS[kind]: {"source": str(dirs[kind]), "task": KINDS[kind].task}},
+        "models": {MODELS[kind]: model},
         "inputs": inputs,
         "nodes": {"n": node},
         "outputs": {"out": "n"},
@@ -207,6 +211,16 @@ def test_output_schema_reaches_the_engine_as_a_constraint(runtime, dirs, monkeyp
     assert received_params(calls).constraint == Constraint.json_schema(schema)
     out = result.outputs["out"]
     assert out["json"] in ("yes", "no") and out["text"] == f'"{out["json"]}"'
+
+
+def test_adapter_reaches_the_engine_and_changes_the_text(runtime, dirs, monkeypatch):
+    adapter = NODE_ROWS["generate"]["adapter"]
+    base, base_calls = run_graph(runtime, dirs, "generate", {}, "g_base", monkeypatch)
+    tuned, calls = run_graph(runtime, dirs, "generate", {"adapter": adapter}, "g_lora", monkeypatch)
+    ((_args, kwargs),) = calls
+    assert kwargs["adapter"] == adapter and base_calls[0][1]["adapter"] is None
+    assert received_params(calls) == SamplingParams(max_tokens=GENERATE_MAX)
+    assert tuned.outputs["out"]["text"] != base.outputs["out"]["text"]
 
 
 def test_generate_defaults_reach_the_engine_as_the_engines_defaults(runtime, dirs, monkeypatch):

@@ -154,7 +154,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _missing_models(spec) -> list:
-    """Model folders that do not exist (or hold no config.json), located in the file."""
+    """Model folders that do not exist (or hold no config.json) and LoRA adapter folders
+    without an adapter_config.json, located in the file."""
     from trae_groups.graphs.errors import SourceMap
 
     source = spec.source or SourceMap("<spec>")
@@ -171,6 +172,13 @@ def _missing_models(spec) -> list:
             elif not (folder / "config.json").is_file():
                 message = f"model '{name}': no model at {folder} (no config.json)"
                 issues.append(source.issue(where, message))
+        adapters = {**(model.adapters or {}), **model.version_adapters}
+        for adapter, text in adapters.items():  # LoRA folders, located the same way
+            folder = spec.adapter_path(text)
+            key = "adapters" if adapter in (model.adapters or {}) else "versions"
+            if not (folder / "adapter_config.json").is_file():
+                message = f"model '{name}': no LoRA adapter at {folder} (no adapter_config.json)"
+                issues.append(source.issue(("models", name, key, adapter), message))
     return issues
 
 
@@ -278,6 +286,7 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     try:
         reports = runtime.store.report()
         on_demand = runtime.stats().residency
+        adapters = runtime.adapter_report()
         users = _model_users(executors)
     finally:
         runtime.shutdown()
@@ -308,15 +317,28 @@ def cmd_model_info(args: argparse.Namespace) -> int:
         if args.detail:
             row["used_by"] = users.get(name, [])
         rows.append(row)
+    for model, found in adapters.items():  # LoRA adapters: a row each, on their base
+        for a in found:
+            row = {"name": f"{model}:{a.name}", "task": f"lora r={a.rank}",
+                   "parameters": a.parameters, "bytes": a.bytes, "shared_bytes": 0,
+                   "private_bytes": a.bytes, "device": a.device, "dtype": a.dtype,
+                   "resident": "always", "quantize": None}  # fmt: skip
+            if args.detail:
+                row.update(path=a.path, memory="-", gpu="-", loads=1)
+                row["used_by"] = users.get(model, [])
+            rows.append(row)
     held = runtime.store.total_bytes()
+    adapter_bytes = sum(a.bytes for found in adapters.values() for a in found)
     if args.json:
-        _print_json({"models": rows, "held_bytes": held})
+        _print_json({"models": rows, "held_bytes": held, "adapter_bytes": adapter_bytes})
         return 0
     _print_table(rows)
     naive = sum(r.bytes for r in reports)
     print(f"held once: {_mib(held)} (without sharing: {_mib(naive)})")
     if on_demand:
         print("on-demand models load at their first request: bytes are estimates from files")
+    if adapter_bytes:
+        print(f"LoRA adapters: {_mib(adapter_bytes)} (in slots when requests use them)")
     return 0
 
 
@@ -417,9 +439,11 @@ def cmd_model_route(args: argparse.Namespace) -> int:
 
 
 def cmd_model_upload(args: argparse.Namespace) -> int:
-    """Load a new version on a running server (0% of traffic until routed)."""
-    path = str(Path(args.path).expanduser().resolve())
-    body = {"version": args.version, "path": path}
+    """Load a new version on a running server (0% of traffic until routed): a model
+    folder (--path) or a LoRA adapter on the model's base (--adapter)."""
+    field = "adapter" if args.adapter is not None else "path"
+    path = str(Path(getattr(args, field)).expanduser().resolve())
+    body = {"version": args.version, field: path}
     return _admin(args, "POST", "/admin/graphs/{graph}/models/{model}/versions", body)
 
 
@@ -668,7 +692,9 @@ def build_parser() -> argparse.ArgumentParser:
     upload = model_sub.add_parser("upload", help="load a new version on a running server")
     admin_options(upload)
     upload.add_argument("--version", required=True)
-    upload.add_argument("--path", required=True, help="the version's model folder")
+    source = upload.add_mutually_exclusive_group(required=True)
+    source.add_argument("--path", help="the version's model folder")
+    source.add_argument("--adapter", help="a PEFT LoRA folder: the version runs on the base")
     upload.set_defaults(run=cmd_model_upload)
 
     unload = model_sub.add_parser("unload", help="unload a version no route uses")

@@ -171,12 +171,14 @@ class ModelGroup:
         description: str | None = None,
         output_schema: Any = None,
         follows: Ref | str | Mapping[str, Any] | None = None,
+        adapter: str | None = None,
         **params: Any,
     ) -> Ref:
         """Causal LM from a prompt or chat messages; sampling parameters as keywords
         (``max_tokens=64``) or as one ``params={...}`` mapping, as in YAML.
         ``output_schema``: a JSON Schema, or a pydantic model class (its schema).
-        ``follows``: a generate node whose text this prompt reads, prefilled as it streams."""
+        ``follows``: a generate node whose text this prompt reads, prefilled as it streams.
+        ``adapter``: one of the model's LoRA ``adapters`` (``add_model(..., adapters={...})``)."""
         if isinstance(params.get("params"), Mapping):
             params = {**params.pop("params"), **params}
         if isinstance(output_schema, type) and issubclass(output_schema, BaseModel):
@@ -187,6 +189,7 @@ class ModelGroup:
             "messages": _messages(messages),
             "params": params or None,
             "output_schema": output_schema,
+            "adapter": adapter,
         }
         common = {"when": when, "after": after, "optional": optional, "timeout": timeout}
         common |= {"on_error": on_error, "default": default, "description": description}

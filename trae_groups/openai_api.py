@@ -13,6 +13,9 @@ What ``model`` names (GET /v1/models lists every id):
    name for the model).
 3. The **bare model name**, when it reaches one model across every served graph and
    no graph has that name (a graph's name wins; ``graph/model`` always works).
+4. A **LoRA adapter** of such an LLM as ``<LLM id>:<adapter>`` (``dialog:support-lora``,
+   ``chat/dialog:support-lora``): one of the model's ``adapters``, or one of its versions
+   that is an adapter (that version, whatever the route says).
 
 Requests count against the named graph's in-flight limit. Completions take an LLM
 only, embeddings an ``embed`` model only. Structured outputs (``response_format``,
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import struct
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -191,9 +195,14 @@ class Target:
     output: str | None = None  # a chat graph: the output returned
     node: str | None = None  # a chat graph: the generate node that output reads
     task: str = "generate"  # the model's task: generate, or embed (/v1/embeddings)
+    adapter: str | None = None  # one of the LLM's adapters: every request runs with it
+    version: str | None = None  # one of the LLM's versions that is an adapter: pinned to it
+    parent: str | None = None  # an adapter's LLM id
 
     @property
     def kind(self) -> str:
+        if self.parent is not None:
+            return "adapter"
         return "graph" if self.model is None else ("llm" if self.task == "generate" else self.task)
 
 
@@ -236,7 +245,18 @@ def targets(graphs: Mapping[str, ServedGraph]) -> dict[str, Target]:
         if model not in found and len({worker for worker, _ in entries}) == 1:
             first = entries[0][1]
             found[model] = Target(model, first.served, model, task=first.task)
+    for target in [t for t in found.values() if t.model is not None]:
+        spec = target.served.spec.models[target.model]
+        for name in spec.adapters or {}:
+            found[f"{target.id}:{name}"] = _adapter_target(target, adapter=name)
+        for name in spec.version_adapters:
+            found[f"{target.id}:{name}"] = _adapter_target(target, version=name)
     return found
+
+
+def _adapter_target(llm: Target, **which: str) -> Target:
+    name = next(iter(which.values()))
+    return dataclasses.replace(llm, id=f"{llm.id}:{name}", parent=llm.id, **which)
 
 
 def resolve(state: AppState, name: str) -> Target:
@@ -262,6 +282,7 @@ async def list_models(request: Request) -> Response:
             "created": state.created,
             "owned_by": "trae-groups",
             "trae": {"graph": target.served.name, "kind": target.kind},
+            **({"parent": target.parent} if target.parent else {}),
         }
         for target in targets(state.graphs).values()
     ]
@@ -445,7 +466,8 @@ class _LLMCall:
         the request's deadline, dropped or finished as the target's graph says."""
 
         def start(state: AppState, executor: Any) -> _LLMCall:
-            client = _version(executor.models[target.model], user)
+            model = executor.models[target.model]
+            client = model.clients[target.version] if target.version else _version(model, user)
             drop = target.served.spec.on_deadline == "drop"
             request = GenerateRequest(
                 new_request_id("cmpl"),
@@ -455,6 +477,7 @@ class _LLMCall:
                 priority=Priority(deadline=tightest(*due, drop=drop)),
                 session=user,
                 tools=tuple(tools) if tools else None,
+                adapter=target.adapter,
             )
             return cls(state, target, client, request)
 

@@ -178,7 +178,8 @@ async def route_model(request: Request) -> Response:
 
 async def model_versions(request: Request) -> Response:
     """POST ``{"version": "v3", "path": "/models/intent-v3"}``: load a version (0% of
-    traffic until a route gives it some). DELETE ``.../versions/{version}``: unload a
+    traffic until a route gives it some); ``{"version": "v3", "adapter": "/loras/v3"}``:
+    a version that is a LoRA adapter on the model's base. DELETE ``.../versions/{version}``: unload a
     version no route uses, freeing its memory. A missing or corrupt folder is refused
     (422) and the server keeps serving."""
     state: AppState = request.app.state.trae
@@ -199,15 +200,19 @@ async def model_versions(request: Request) -> Response:
             log.info("graph '%s' model '%s': unloaded version %s", served.name, model, version)
         else:
             body = await read_json(request, state.config.max_body_bytes)
-            version = body.get("version") if isinstance(body, dict) else None
-            path = body.get("path") if isinstance(body, dict) else None
+            body = body if isinstance(body, dict) else {}
+            version = body.get("version")
+            adapter = "adapter" in body  # a LoRA adapter folder on the model's base
+            path = body.get("adapter" if adapter else "path")
+            field = "adapter" if adapter else "path"
+            usage = 'send {"version": "v3", "path": "/folder"} (or "adapter": "/lora-folder")'
             if not isinstance(version, str) or not version:
-                raise bad_request('send {"version": "v3", "path": "/folder"}', "version")
-            if not isinstance(path, str) or not path:
-                raise bad_request('send {"version": "v3", "path": "/folder"}', "path")
-            _check_upload(version, path)
+                raise bad_request(usage, "version")
+            if not isinstance(path, str) or not path or ("path" in body and adapter):
+                raise bad_request(usage, field)
+            _check_upload(version, path, field)
             await anyio.to_thread.run_sync(
-                state.runtime.add_version, served.name, model, version, path
+                state.runtime.add_version, served.name, model, version, path, adapter
             )
             await anyio.to_thread.run_sync(state.settle_heap)
             log.info(
@@ -223,7 +228,7 @@ async def model_versions(request: Request) -> Response:
     )  # fmt: skip
 
 
-def _check_upload(version: str, path: str) -> None:
+def _check_upload(version: str, path: str, field: str = "path") -> None:
     """A version is named as in the graph file (the same slug rule); a path is text a
     file system can take."""
     try:
@@ -231,7 +236,7 @@ def _check_upload(version: str, path: str) -> None:
     except ValueError as exc:
         raise HTTPError(422, f"version: {exc}", field="version") from None
     if "\x00" in path:
-        raise HTTPError(422, "path: contains a NUL character", field="path")
+        raise HTTPError(422, f"{field}: contains a NUL character", field=field)
 
 
 async def openapi(request: Request) -> Response:
