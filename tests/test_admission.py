@@ -59,8 +59,8 @@ def test_rate_counts_busy_time_only(monkeypatch):
         clock.now += 1.0  # idle: must not count
     assert rate.per_second == pytest.approx(20.0, rel=0.05)
     assert rate.expected_wait(10) == pytest.approx(0.5, rel=0.05)
-    assert overloaded(rate, 10, limit_s=1.0) is None  # 0.5 s <= 0.8 x 1 s
-    assert overloaded(rate, 100, limit_s=1.0) == 5  # 5 s of queue against 0.8 s
+    assert overloaded(rate, 10, limit_s=1.0) is None  # 0.5 s <= 0.7 x 1 s
+    assert overloaded(rate, 100, limit_s=1.0) == 5  # 5 s of queue against 0.7 s
 
 
 def test_no_estimate_before_enough_samples():
