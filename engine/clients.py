@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
-from dataclasses import replace
 from typing import Any
 
 from trae_groups.engine import chat
@@ -115,7 +114,7 @@ class LocalLLM:
         keep = len(tokens) - PREFIX_HOLDBACK
         cached = 0
         if keep > self.worker.kv.tokens_per_page:
-            warm = replace(request, params=_PREFIX_PARAMS, prefix_only=False)
+            warm = dataclasses.replace(request, params=_PREFIX_PARAMS, prefix_only=False)
             try:
                 async with aclosing(chunks(self._submit(tokens[:keep], warm))) as stream:
                     async for chunk in stream:

@@ -168,9 +168,10 @@ def _check_templates(walk: _Walk, name: str, node: NodeSpec | Mapping[str, Any])
         followed = _followed(node)
         for ref in info.references:
             if ref.root == followed:  # the stream it follows: the follows edge, not a wait
-                message = _followed_field_problem(walk, node, ref.field)
+                message = _followed_field_problem(node, ref.field)
             elif ref.root == name and sub == ("cut_when",):  # a piece's own result
-                message = _field_problem(name, _kind(node), result_fields_of(node), ref.field)
+                kind = _kind(node)  # one piece's result has its kind's fields
+                message = _field_problem(name, kind, RESULT_FIELDS.get(kind), ref.field)
             else:
                 message = _reference_problem(walk, name, ref.root, ref.field, ref.path)
             if message:
@@ -224,12 +225,7 @@ def _kind(node: NodeSpec | Mapping[str, Any]) -> str:
     return str(node.get("kind") if isinstance(node, Mapping) else node.kind)
 
 
-def result_fields_of(node: NodeSpec | Mapping[str, Any]) -> frozenset[str] | None:
-    """A per-piece result's fields: the kind's own (cut_when reads one piece's result)."""
-    return RESULT_FIELDS.get(_kind(node))
-
-
-def _followed_field_problem(walk: _Walk, node: NodeSpec, attr: str | None) -> str | None:
+def _followed_field_problem(node: NodeSpec, attr: str | None) -> str | None:
     """A follower reads the followed node's text so far (and, per piece, the piece)."""
     fields = FOLLOWED_FIELDS if node.per_piece else ("text", "tokens")
     if attr is None or attr in fields:

@@ -143,6 +143,10 @@ class _Request:
         self.cut: Cut | None = None
         self.scope: anyio.CancelScope | None = None  # the run's: a cut cancels it
 
+    def event(self, type: str, data: dict) -> None:
+        """Emit an event of this request (what nodes and feeds are handed as ``emit``)."""
+        self.emit(Event(type, data))
+
     def _feeds(self, graph: CompiledGraph, needed: tuple[str, ...]) -> dict[str, Feed]:
         """A feed for each generate node that a node of this run follows."""
         feeds = {}
@@ -154,7 +158,7 @@ class _Request:
                     name,
                     {f: node.follows for f, node in nodes.items()},
                     {f for f, node in nodes.items() if node.holds},
-                    lambda type, data: self.emit(Event(type, data)),
+                    self.event,
                 )
         return feeds
 
@@ -365,7 +369,7 @@ class GraphExecutor:
             session=request.prepared.session,
             client=request.clients[model] if model is not None else None,
             function=self.functions.get(name),
-            emit=lambda type, data: request.emit(Event(type, data)),
+            emit=request.event,
             **extra,
         )
 
@@ -397,20 +401,19 @@ class GraphExecutor:
             if cut is None
             else lambda view, value: cut.evaluate({**with_view(view), name: value})
         )
-        emit = lambda type, data: request.emit(Event(type, data))  # noqa: E731
         function = self.functions.get(name)
         if isinstance(node, PythonNode) and inspect.isasyncgenfunction(function):
             args = self.graph.templates[name].render(with_view(feed.view(None)))["args"]
             return await follow_with_generator(
                 feed, name, start=lambda texts: function(texts, **args), should_cut=should_cut,
-                emit=emit,
+                emit=request.event,
             )  # fmt: skip
         return await follow_pieces(
             feed,
             name,
             run_piece=lambda view: self._call(request, name, with_view(view)),
             should_cut=should_cut,
-            emit=emit,
+            emit=request.event,
         )
 
     async def _prefill(self, request: _Request, name: str, context: Mapping[str, Any]) -> None:
