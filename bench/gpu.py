@@ -14,6 +14,8 @@ transformers on the same GPU. Needs CUDA; prints ratios and writes every number 
     concurrent requests, greedy with eos ignored. Output tokens/s of trae-groups'
     LLMEngine vs transformers ``generate`` on one static left-padded batch and vs
     transformers' continuous batching (long-lived ``init_continuous_batching`` manager).
+(c) graphs: the same engine with ``compile=True`` (decode steps replayed from CUDA graphs)
+    against eager, at batch 1 and 64: tokens/s, start-up seconds and memory of the capture.
 Peers that fail are reported and skipped, never fatal.
 """
 
@@ -293,7 +295,13 @@ def free_cuda() -> None:
 
 
 def run_engine(
-    folder: Path, shape: dict, prompts, max_new: int, repeats: int, backend: str | None
+    folder: Path,
+    shape: dict,
+    prompts,
+    max_new: int,
+    repeats: int,
+    backend: str | None,
+    compile: bool = False,
 ) -> dict:
     from trae_groups.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -310,6 +318,7 @@ def run_engine(
         max_num_seqs=len(prompts),
         max_num_batched_tokens=4096,
         attention_backend=backend,
+        compile=compile,  # CUDA graphs of decode steps (engine/decode_graphs.py)
     )
     engine = LLMEngine(models={"m": str(folder)}, config=config).start()
     try:
@@ -326,7 +335,16 @@ def run_engine(
             samples.append(tokens / (time.perf_counter() - start))
             outputs = [list(o.token_ids) for o in outs]
         model_device = str(next(engine.llms["m"].model.parameters()).device)
+        fixed = engine.llms["m"].runner.compiled
         return {
+            "decode_graphs": None
+            if fixed is None
+            else {
+                "sizes": list(fixed.sizes),
+                "steps": fixed.steps,
+                "start_s": getattr(fixed, "capture_s", None),
+                "memory_mib": getattr(fixed, "memory_bytes", 0) / 2**20,
+            },
             "tokens_per_s": statistics.median(samples),
             "samples": samples,
             "backend": engine.backend.name,
@@ -493,6 +511,34 @@ def engine_bench(args) -> dict:
     return res
 
 
+def graphs_bench(args) -> dict:
+    """(c) decode steps replayed from CUDA graphs against the same engine eager: one request
+    (launch-bound) and 64 (the engine workload), greedy tokens compared."""
+    shape = LLAMA_1B
+    folder = build_model(args.model_dir / "llama-1b", shape)
+    lo, hi = (64, 128) if args.quick else (128, 512)
+    prompts = make_prompts(64, lo, hi, shape["vocab_size"])
+    res: dict = {}
+    for label, batch, max_new in (("batch1", prompts[:1], 64 if args.quick else 128),
+                                  ("batch64", prompts, 32 if args.quick else 64)):  # fmt: skip
+        eager = attempt(f"{label} eager", lambda b=batch, m=max_new: run_engine(
+            folder, shape, b, m, 1, None))  # fmt: skip
+        graphs = attempt(f"{label} CUDA graphs", lambda b=batch, m=max_new: run_engine(
+            folder, shape, b, m, 1, None, compile=True))  # fmt: skip
+        row = {"eager": eager, "graphs": graphs}
+        if eager.get("tokens_per_s") and graphs.get("tokens_per_s"):
+            row["ratio_graphs_over_eager"] = graphs["tokens_per_s"] / eager["tokens_per_s"]
+            row["same_tokens"] = eager["outputs"] == graphs["outputs"]
+            row["first8_agreement"] = agreement(graphs["outputs"], eager["outputs"])
+            log(f"   {label}: eager {eager['tokens_per_s']:.1f} tok/s, graphs "
+                f"{graphs['tokens_per_s']:.1f} ({row['ratio_graphs_over_eager']:.2f}x), "
+                f"{graphs.get('decode_graphs')}")  # fmt: skip
+        for side in (eager, graphs):
+            side.pop("outputs", None)
+        res[label] = row
+    return res
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON")
@@ -503,6 +549,7 @@ def main() -> int:
     )
     parser.add_argument("--skip-kernel", action="store_true")
     parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--skip-graphs", action="store_true")
     parser.add_argument(
         "--cpu-dry-run",
         action="store_true",
@@ -537,6 +584,8 @@ def main() -> int:
         report["kernel"] = attempt("(a) decode kernel bandwidth", lambda: kernel_bench(args))
     if not args.skip_engine:
         report["engine"] = attempt("(b) engine vs transformers", lambda: engine_bench(args))
+    if not args.skip_graphs and DEV == "cuda":
+        report["graphs"] = attempt("(c) decode CUDA graphs vs eager", lambda: graphs_bench(args))
     report["total_s"] = round(time.perf_counter() - started, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str))

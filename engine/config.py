@@ -61,8 +61,9 @@ class EngineConfig:
     # used evicted) and the highest adapter rank a model takes (its slots are this wide)
     max_loras: int = 4
     max_lora_rank: int = 16
-    # torch.compile decode-only steps (CPU), the batch padded up to one of these sizes; each is
-    # compiled when the model is added (seconds each); other steps run eagerly
+    # decode-only steps at fixed batch sizes (the batch padded up to one of these), prepared
+    # when the model is added: torch.compile on CPU (seconds to minutes each), CUDA graphs on
+    # a GPU with the triton backend (engine/decode_graphs.py); other steps run eagerly
     compile: bool = False
     compile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     # bytes of weights held at once: on-demand models are evicted (least recently used,

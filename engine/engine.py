@@ -206,8 +206,11 @@ class LLMEngine:
         if config.compile:
             self.size_pool()  # compiled steps see the pool's final shape
             sizes = tuple(b for b in config.compile_batch_sizes if b <= config.max_num_seqs)
-            seconds = worker.runner.enable_compile(sizes or (config.max_num_seqs,))
-            log.info("model %s: decode compiled for batch sizes %s in %.1f s", name, sizes, seconds)
+            sizes = sizes or (config.max_num_seqs,)
+            seconds = worker.runner.enable_compile(sizes, worker.max_model_len)
+            log.info(
+                "model %s: fixed-size decode for batch sizes %s in %.1f s", name, sizes, seconds
+            )
         self.llms[name] = worker
         self.loop.add_worker(worker)
         if self._pool_sized and self.loop.running:  # an on-demand model, a new version

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from trae_groups.engine.decode_graphs import DecodeGraphs, GraphStep, cuda_capture
 from trae_groups.engine.lora import LoraSlots, lora_rows
 from trae_groups.engine.memory_pool import KVLayout, KVView
 from trae_groups.engine.scheduler import SchedulerOutput
@@ -56,9 +57,20 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query [1, heads, T, dim], key/value
     [1, kv_heads, T, dim] with RoPE applied; returns [1, T, heads, dim]."""
-    ctx: StepContext | DecodeInputs | None = kwargs.get("trae_step")
+    ctx: StepContext | DecodeInputs | GraphStep | None = kwargs.get("trae_step")
     if isinstance(ctx, DecodeInputs):
         return _compiled_decode_attention(module, query, key, value, scaling, kwargs, ctx)
+    if isinstance(ctx, GraphStep):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = ctx.attention(
+            module.layer_idx,
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            scale,
+            kwargs.get("sliding_window"),
+        )
+        return out.unsqueeze(0), None
     if ctx is None:
         raise RuntimeError(
             "this model runs on trae-groups' paged attention; call it through LLMRunner"
@@ -224,18 +236,25 @@ class LLMRunner:
         self.kv = kv
         self.backend = backend
         self.device = next(model.parameters()).device
-        self.compiled: CompiledDecode | None = None
+        self.compiled: CompiledDecode | DecodeGraphs | None = None  # fixed-size decode steps
         self.lora: LoraSlots | None = None  # the model's adapters, once it has any
 
-    def enable_compile(self, sizes: tuple[int, ...]) -> float:
-        """Compile decode steps for these padded batch sizes (CPU only); returns the
-        start-up seconds it took. Other steps, and any step on another device, stay eager."""
+    def enable_compile(self, sizes: tuple[int, ...], max_model_len: int) -> float:
+        """Fixed-size decode steps for these padded batch sizes: torch.compile on CPU (torch
+        attention backend), captured CUDA graphs on a GPU (triton backend); returns the
+        start-up seconds it took. Other steps, and other devices or backends, stay eager."""
+        if self.device.type == "cuda":
+            if self.backend.name != "triton":
+                log.warning("CUDA graphs: with the triton attention backend only; %s stays "
+                            "eager", self.backend.name)  # fmt: skip
+                return 0.0
+            return self.enable_graphs(sizes, max_model_len)
         if self.kv.layout.storage is not None:
             log.warning("compile: not with a quantized KV cache yet; decode stays eager")
             return 0.0
         if self.device.type != "cpu" or self.backend.name != "torch":
             log.warning(
-                "compile: CPU and the torch attention backend only (no CUDA graphs yet); "
+                "compile: on CPU with the torch attention backend, or CUDA with triton; "
                 "%s with %s stays eager",
                 self.device,
                 self.backend.name,
@@ -243,6 +262,24 @@ class LLMRunner:
             return 0.0
         self.compiled = CompiledDecode(self.model, self.kv, sizes)
         return self.compiled.warm_up()
+
+    def enable_graphs(self, sizes: tuple[int, ...], max_model_len: int, capture=cuda_capture):
+        """Capture decode steps as graphs (``capture``: ``replay_eagerly`` in CPU tests).
+        A failed capture is logged and leaves the model eager; returns seconds."""
+        try:
+            graphs = DecodeGraphs(self.model, self.kv, self.backend, sizes, max_model_len, capture)
+            seconds = graphs.capture_all()
+        except Exception:
+            log.exception("CUDA graph capture failed; decode steps stay eager")
+            return 0.0
+        log.info(
+            "decode graphs: sizes %s captured in %.1f s, %.0f MiB",
+            graphs.sizes,
+            seconds,
+            graphs.memory_bytes / 2**20,
+        )
+        self.compiled = graphs
+        return seconds
 
     def prepare(self, sched: SchedulerOutput) -> ModelInputs:
         page = self.kv.tokens_per_page
@@ -314,7 +351,7 @@ class LLMRunner:
                 except Exception:  # e.g. a recompile the limit refuses: eager from now on
                     # (a compile failure happens before any K/V is written; a rerun rewrites
                     # the same slots with the same values)
-                    log.exception("compiled decode failed; this model runs eagerly from now on")
+                    log.exception("fixed-size decode failed; this model runs eagerly from now on")
                     self.compiled = None
         if self.lora is not None:
             self.lora.rows = inputs.lora  # what the wrapped linears read during this forward

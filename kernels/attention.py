@@ -266,3 +266,50 @@ def naive_attention(
         scores = scores.masked_fill(~mask, float("-inf"))
         out[lo:hi] = (scores.softmax(-1) @ vv).transpose(0, 1).to(query.dtype)
     return out
+
+
+def graph_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Store and attend for B one-token rows without reading any tensor's data on the host,
+    so that a CUDA graph can capture it (engine/decode_graphs.py): the reference the Triton
+    backend's ``graph_decode`` is checked against, and the backend of CPU tests of graphs.
+
+    query [B, heads, dim], key/value [B, kv_heads, dim]; block_tables [B, width] (any width
+    that holds every row's pages); context_lens [B]. Rows whose slot is negative are
+    padding: they store nothing and come back as zeros. Plain (not quantized) caches only.
+    """
+    if isinstance(k_cache, QuantKV):
+        raise ValueError("graph_decode (torch): plain caches only; the triton backend takes int8")
+    rows = slot_mapping.shape[0]
+    real = slot_mapping >= 0
+    # No branch on data: a padding row rewrites what a real row writes (the first one), or,
+    # when every row is padding, slot 0 with the value it already holds. Duplicate slots
+    # then always carry equal values, whichever write lands last.
+    first_real = real.to(torch.int8).argmax()
+    src = torch.where(real, torch.arange(rows, device=real.device), first_real)
+    slots = slot_mapping[src].clamp(min=0)
+    page_size = k_cache.shape[1]
+    pages, offsets = slots // page_size, slots % page_size
+    keep = real[src][:, None, None]
+    k_cache[pages, offsets] = torch.where(keep, key[src], k_cache[pages, offsets])
+    v_cache[pages, offsets] = torch.where(keep, value[src], v_cache[pages, offsets])
+
+    width = block_tables.shape[1] * page_size
+    k = k_cache.index_select(0, block_tables.reshape(-1)).view(rows, width, *k_cache.shape[2:])
+    v = v_cache.index_select(0, block_tables.reshape(-1)).view(rows, width, *v_cache.shape[2:])
+    pos = torch.arange(width, device=query.device)
+    mask = pos[None, :] < context_lens[:, None]
+    if sliding_window is not None:
+        mask &= pos[None, :] >= context_lens[:, None] - sliding_window
+    out = _decode_matmul(query, k, v, mask[:, None, None, :], scale)
+    return torch.where(real[:, None, None], out, 0.0).to(query.dtype)

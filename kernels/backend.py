@@ -24,6 +24,9 @@ class AttentionBackend:
     needs_zeroed_pages: bool = True
     # kv_cache_dtype values (besides "auto") its kernels read and write
     kv_dtypes: tuple[str, ...] = ("int8", "fp8")
+    # decode attention that reads no tensor data on the host (capturable in a CUDA graph,
+    # engine/decode_graphs.py); None: this backend's decode steps are never captured
+    graph_decode: Callable | None = None
 
     def check_kv(self, kv_cache_dtype: str, device: str | torch.device) -> None:
         """Refuse a KV cache dtype this backend or device cannot hold (a clear error at
@@ -52,7 +55,9 @@ def has_fp8(device: torch.device) -> bool:
 
 
 def _torch_backend() -> AttentionBackend:
-    return AttentionBackend("torch", reference.store_kv, reference.paged_attention)
+    return AttentionBackend(
+        "torch", reference.store_kv, reference.paged_attention, graph_decode=reference.graph_decode
+    )
 
 
 # name -> (is_available(device), factory); GPU backends register themselves on import.
@@ -109,6 +114,7 @@ def _register_gpu_backends() -> None:
                 tri.paged_attention,
                 needs_zeroed_pages=False,
                 kv_dtypes=tri.KV_DTYPES,
+                graph_decode=tri.graph_decode,
             ),
         )
     except Exception as exc:  # pragma: no cover - defensive

@@ -844,6 +844,76 @@ def paged_attention(
     return out
 
 
+# Key positions one graph-captured decode program may cover: every row's own length bounds
+# its loop on the device, so the launch carries no per-step number (CUDA graphs freeze them).
+GRAPH_CHUNK = 1 << 30
+
+
+def graph_decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Store and attend for B one-token rows with launches that read nothing on the host, so
+    that a CUDA graph can capture them (engine/decode_graphs.py). Same contract as the torch
+    reference ``attention.graph_decode``: padding rows (slot < 0, context 0) store nothing and
+    come back as zeros; ``QuantKV`` caches too. One program per (row, kv head): no key split,
+    whose count would depend on the step's lengths."""
+    store_kv(key, value, k_cache, v_cache, slot_mapping)  # skips negative slots
+    compute = k_cache.dtype
+    k_cache, v_cache, scales = _unwrap(k_cache, v_cache)
+    device = k_cache.device
+    _, page, kv_heads, dim = k_cache.shape
+    rows, heads = query.shape[0], query.shape[1]
+    _check_tokens("query", query, rows, None, dim, device)
+    if heads % kv_heads or query.dtype != compute:
+        raise ValueError(
+            f"query: {heads} heads of {query.dtype} over {kv_heads} kv heads of {compute}"
+        )
+    _check_index("block_tables", block_tables, 2, device)
+    _check_index("context_lens", context_lens, 1, device)
+    if block_tables.shape[0] != rows or context_lens.shape[0] != rows:
+        raise ValueError(f"block_tables and context_lens need {rows} rows")
+    out = torch.empty(query.shape, dtype=query.dtype, device=device)
+    consts = launch_constants(
+        query.dtype, heads // kv_heads, dim, page, sliding_window is not None, scales is not None
+    )
+    ks, vs = scales if scales is not None else (k_cache, v_cache)  # unread when not quantized
+    _decode_kernel[(rows, kv_heads, 1)](
+        query,
+        k_cache,
+        v_cache,
+        ks,
+        vs,
+        block_tables,
+        context_lens,
+        out,
+        out,  # no split: the partial buffers are unused
+        out,
+        out,
+        float(scale) * _LOG2E,
+        int(sliding_window or 0),
+        GRAPH_CHUNK,
+        *query.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *ks.stride()[:3],
+        *vs.stride()[:3],
+        *block_tables.stride(),
+        *out.stride(),
+        SPLIT=False,
+        **consts["decode"],
+    )
+    return out
+
+
 def launch_constants(
     dtype: torch.dtype, group: int, dim: int, page: int, has_window: bool, kv_quant: bool = False
 ) -> dict[str, dict]:

@@ -554,3 +554,100 @@ def test_int8_kv_kernels_compile_for_hopper(dtype):
     _compile_sm90(tri._prefill_kernel, dtype, consts["prefill"], _INT8_PAGES)
     store = dict(PAGE=16, HEAD_DIM=128, QMAX=127.0, MIN_SCALE=2.0**-24, BLOCK_T=32, BLOCK_D=128)
     _compile_sm90(tri._store_kv_int8_kernel, dtype, store, _INT8_PAGES)
+
+
+# ---------------------------------------------------------------------------------------
+# graph_decode: the launch a captured decode step replays (engine/decode_graphs.py)
+# ---------------------------------------------------------------------------------------
+
+
+def run_graph_decode_case(dtype: str, window: int | None, int8: bool) -> dict:
+    """Three real rows then two padding rows (slot -1, length 0), block tables wider than any
+    row needs (a graph's are as wide as the longest sequence a model admits)."""
+    from trae_groups.kernels.attention import graph_decode
+    from trae_groups.kernels.kv_quant import QuantKV, quantize
+
+    torch.manual_seed(1)
+    pages, page, kv_heads, heads, dim, lens = 24, 4, 2, 8, 16, [5, 13, 1]
+    rows = len(lens) + 2
+    tables = torch.randperm(pages)[: rows * 4].view(rows, 4)
+    slots = torch.full((rows,), -1)
+    for r, n in enumerate(lens):
+        slots[r] = tables[r, (n - 1) // page] * page + (n - 1) % page
+    lens_t = torch.tensor(lens + [0, 0])
+    q, k, v = (
+        torch.randn(rows, heads, dim),
+        torch.randn(rows, kv_heads, dim),
+        torch.randn(rows, kv_heads, dim),
+    )
+    q, k, v = (t.to(DTYPES[dtype]) for t in (q, k, v))
+    plain = [torch.randn(pages, page, kv_heads, dim).to(DTYPES[dtype]) for _ in range(2)]
+
+    def caches():
+        if int8:
+            return [QuantKV(*quantize(c, torch.int8), DTYPES[dtype]) for c in plain]
+        return [c.clone() for c in plain]
+
+    n = len(lens)
+    (gk, gv), (ek, ev), (rk, rv) = caches(), caches(), caches()
+    got = tri.graph_decode(q, k, v, gk, gv, slots, tables, lens_t, 0.25, window)
+    tri.store_kv(k[:n], v[:n], ek, ev, slots[:n])
+    batch = PagedBatch_(slots[:n], list(range(n + 1)), lens, tables[:n], n, page, lens_t[:n])
+    eager = tri.paged_attention(q[:n], k[:n], v[:n], ek, ev, batch, 0.25, window)
+    ref = None if int8 else graph_decode(q, k, v, rk, rv, slots, tables, lens_t, 0.25, window)
+    stored = (gk.values, ek.values) if int8 else (gk, ek)
+    return {"got": got, "eager": eager, "reference": ref, "stored": stored}
+
+
+def PagedBatch_(*args):
+    from trae_groups.kernels.attention import PagedBatch
+
+    return PagedBatch(*args)
+
+
+@pytest.mark.parametrize(
+    "dtype,window,int8",
+    [("float32", None, False), ("bfloat16", 6, False), ("float32", 6, True)],
+)
+def test_graph_decode_matches_the_eager_kernel_and_the_reference(interpreter, dtype, window, int8):
+    res = interpreter.submit(run_graph_decode_case, dtype, window, int8).result(timeout=280)
+    tol = TOL[dtype]
+    got = res["got"].float()
+    torch.testing.assert_close(got[:3], res["eager"].float(), atol=tol, rtol=tol)
+    assert torch.equal(got[3:], torch.zeros_like(got[3:]))  # padding rows: zeros
+    assert torch.equal(*res["stored"])  # padding stored nothing, real rows what eager stores
+    if res["reference"] is not None:
+        torch.testing.assert_close(got, res["reference"].float(), atol=tol, rtol=tol)
+
+
+def _graph_engine_tokens(model_dir: str, backend: str, graphs: bool) -> list[list[int]]:
+    """Greedy tokens of the real engine, its decode steps through DecodeGraphs (replayed
+    eagerly: no capture on CPU) on this backend's graph_decode, or all eager."""
+    from trae_groups.engine import EngineConfig, LLMEngine, SamplingParams
+    from trae_groups.engine.decode_graphs import DecodeGraphs, replay_eagerly
+
+    gen = torch.Generator().manual_seed(12)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (9, 30, 17)]
+    config = EngineConfig(pool_bytes=4 << 20, fast_linear=False, attention_backend=backend)
+    with LLMEngine({"m": model_dir}, config) as engine:
+        engine.pool.buffer.fill_(0xFF)  # NaN in every byte, as in the eager engine test
+        runner = engine.llms["m"].runner
+        if graphs:
+            runner.enable_graphs((1, 2, 4), engine.llms["m"].max_model_len, replay_eagerly)
+            assert isinstance(runner.compiled, DecodeGraphs)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+        assert not graphs or (
+            runner.compiled.steps > 0 and isinstance(runner.compiled, DecodeGraphs)
+        )
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.slow
+def test_engine_decode_graphs_on_triton_match_the_torch_backend(interpreter, tmp_path):
+    # Mistral: a sliding window of 24; prompts and outputs cross it
+    from conftest import build_llm
+
+    model_dir = str(build_llm(tmp_path / "mistral", "mistral"))
+    want = interpreter.submit(_graph_engine_tokens, model_dir, "torch", False).result(timeout=280)
+    got = interpreter.submit(_graph_engine_tokens, model_dir, "triton", True).result(timeout=280)
+    assert got == want
