@@ -24,13 +24,14 @@ class Priority:
 
     depth: the node's depth in its request's DAG (0 = a root node). Deeper work is
     closer to a response, so it goes first.
-    arrival: when the item's *request* arrived (monotonic seconds): older goes first.
+    arrival: when the item's *request* arrived (wall-clock seconds, like deadlines, so that
+    requests that entered on different hosts of a cluster compare): older goes first.
     deadline: the request's deadline (wall clock) and whether to drop work past it;
     how it combines with depth and arrival is ``engine/deadlines.py``'s ``rank``.
     """
 
     depth: int = 0
-    arrival: float = field(default_factory=time.monotonic)
+    arrival: float = field(default_factory=time.time)
     deadline: Deadline | None = None
 
 

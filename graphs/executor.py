@@ -130,7 +130,7 @@ class _Request:
         self.prepared = prepared
         self.request_id = prepared.request_id
         self.context: dict[str, Any] = {"inputs": prepared.inputs}
-        self.arrival = time.monotonic()
+        self.arrival = time.time()  # wall clock: the engine ranks by it across processes
         needed = executor.graph.needed_for(prepared.outputs)
         self.records = {name: NodeRecord() for name in needed}
         self.done = {name: anyio.Event() for name in needed}
