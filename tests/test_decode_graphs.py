@@ -10,6 +10,8 @@ case (a real capture, marked ``gpu``) runs in bench/device_check.sh."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_engine import MAX_NEW, assert_parity, prompts
@@ -97,6 +99,26 @@ def test_graphs_with_chunked_prefill_preemption_and_prefix_cache(llama_dir):
         assert eng.pool.stats().prefix_hits > 0
         assert eng.pool.stats().used_pages == 0
     assert_parity(llama_dir, first + rest, ps)
+
+
+def test_constrained_rows_on_graphs_equal_eager(llama_dir):
+    """Constraints mask the logits after the forward: replayed steps keep them, token for
+    token with the eager engine, beside unconstrained rows."""
+    from test_constraints import PROMPTS, SCHEMA
+
+    from trae_groups.engine.constraints import Constraint
+
+    params = [SamplingParams(max_tokens=40, constraint=Constraint.json_schema(SCHEMA)),
+              SamplingParams(max_tokens=12, constraint=Constraint("regex", "[0-9]{3}-[a-z]{2}")),
+              SamplingParams(max_tokens=12, constraint=Constraint.choice(["refund", "track"])),
+              SamplingParams(max_tokens=12, ignore_eos=True)]  # fmt: skip
+    with LLMEngine({"m": llama_dir}, EngineConfig(pool_bytes=8 << 20, fast_linear=False)) as eng:
+        eager = eng.generate(PROMPTS, params)
+    with graph_engine(llama_dir) as eng:
+        replayed = eng.generate(PROMPTS, params)
+        assert eng.llms["m"].runner.compiled.steps > 0
+    assert [o.token_ids for o in replayed] == [o.token_ids for o in eager]
+    assert set(json.loads(replayed[0].text)) == {"order_id", "urgent"}
 
 
 # What would break a CUDA graph capture: reading a tensor's value on the host (a sync, and a
