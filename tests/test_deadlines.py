@@ -234,6 +234,17 @@ nodes:
   reply: {model: dialog, prompt: "{{ inputs.text }}", params: {max_tokens: 200}}
 outputs: {reply: reply.text, stuck: stuck.slept}
 """,
+    # a chat graph (served on /v1/chat/completions) whose critical path is a nap
+    "chatnap": """
+name: chatnap
+models:
+  dialog: {source: LLAMA, task: generate}
+inputs: {history: messages}
+nodes:
+  nap: {function: "deadline_test_nodes:nap", args: {seconds: 0.3}}
+  reply: {model: dialog, messages: "{{ inputs.history }}", after: [nap], params: {max_tokens: 3}}
+outputs: {reply: reply.text}
+""",
     # finished late: the deadline orders and counts, it does not cut
     "late": """
 name: late
@@ -322,6 +333,19 @@ def test_on_deadline_finish_answers_late_and_counts_the_miss(server):
     late = 'trae_node_deadline_misses_total{action="late",graph="late",node="nap"}'
     assert metric(server, late) == 1
     assert metric(server, 'trae_graph_goodput_total{graph="late"}') == 0
+
+
+def test_an_openai_chat_on_a_graph_is_refused_at_admission_too(server):
+    url = f"{server.url}/v1/chat/completions"
+    body = {"model": "chatnap", "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(url, json=body, timeout=10).status_code == 200  # measures the nap
+    header = {"X-Request-Deadline": f"{time.time() + 0.05:.3f}"}
+    refused = httpx.post(url, json=body, headers=header, timeout=10)
+    assert refused.status_code == 503
+    assert refused.json()["error"]["type"] == "DeadlineUnreachable"
+    assert metric(server, 'trae_graph_rejected_total{graph="chatnap",reason="deadline"}') == 1
+    roomy = {"X-Request-Deadline": f"{time.time() + 5:.3f}"}
+    assert httpx.post(url, json=body, headers=roomy, timeout=10).status_code == 200
 
 
 def test_the_openai_timeout_extension_drops_a_generation_at_its_deadline(server):

@@ -599,6 +599,8 @@ async def _respond(
     limit = _Limit(state.config.openai_timeout_s)
     try:
         call = start(state, ticket.executor)
+        if isinstance(call, _GraphCall):  # refused now if its graph cannot make the deadline
+            state.admit_deadline(ticket, call.prepared.deadline)
         await limit.within(call.open)
     except Exception as exc:
         ticket.release()
