@@ -207,7 +207,14 @@ class LLMEngine:
             self.size_pool()  # compiled steps see the pool's final shape
             sizes = tuple(b for b in config.compile_batch_sizes if b <= config.max_num_seqs)
             sizes = sizes or (config.max_num_seqs,)
-            seconds = worker.runner.enable_compile(sizes, worker.max_model_len)
+
+            def prepare() -> float:
+                return worker.runner.enable_compile(sizes, worker.max_model_len)
+
+            # a CUDA graph capture must not overlap other models' kernels (a model added while
+            # serving): it runs between steps on the engine thread; compiling on CPU does not
+            cuda = worker.runner.device.type == "cuda"
+            seconds = self.loop.call(prepare) if cuda else prepare()
             log.info(
                 "model %s: fixed-size decode for batch sizes %s in %.1f s", name, sizes, seconds
             )
