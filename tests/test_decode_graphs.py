@@ -191,17 +191,23 @@ def test_a_failing_capture_leaves_the_model_eager(llama_dir, caplog):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graphs_greedy_parity_on_a_gpu(llm_dirs):
-    """EngineConfig(compile=True) on a GPU captures decode graphs with the triton backend."""
-    path = llm_dirs["llama"]
+def test_cuda_graphs_match_eager_decode_on_a_gpu(llm_dirs):
+    """EngineConfig(compile=True) on a GPU captures decode graphs (triton backend); greedy
+    tokens equal the same engine's eager ones on the same GPU."""
+    path = llm_dirs["mistral"]  # a sliding window of 24: outputs cross it
     ps = prompts(n=11, seed=5, lo=2, hi=40)
-    cfg = EngineConfig(device="cuda", pool_bytes=64 << 20, compile=True,
-                       compile_batch_sizes=SIZES, max_num_seqs=16)  # fmt: skip
-    with LLMEngine({"m": path}, cfg).start() as eng:
-        runner = eng.llms["m"].runner
-        assert eng.backend.name == "triton"
-        assert isinstance(runner.compiled, DecodeGraphs) and runner.compiled.memory_bytes >= 0
-        outs = eng.generate(ps, SamplingParams(max_tokens=MAX_NEW))
-        assert runner.compiled is not None and runner.compiled.steps > 0
-        assert eng.pool.stats().used_pages == 0
-    assert_parity(path, outs, ps)
+    outs = {}
+    for compile_ in (False, True):
+        cfg = EngineConfig(device="cuda", pool_bytes=64 << 20, compile=compile_,
+                           compile_batch_sizes=SIZES, max_num_seqs=16)  # fmt: skip
+        with LLMEngine({"m": path}, cfg).start() as eng:
+            runner = eng.llms["m"].runner
+            assert eng.backend.name == "triton"
+            outs[compile_] = [
+                o.token_ids for o in eng.generate(ps, SamplingParams(max_tokens=MAX_NEW))
+            ]
+            if compile_:
+                assert isinstance(runner.compiled, DecodeGraphs) and runner.compiled.steps > 0
+                assert runner.compiled.memory_bytes > 0
+            assert eng.pool.stats().used_pages == 0
+    assert outs[True] == outs[False]
