@@ -215,19 +215,13 @@ class CompiledDecode:
         self.steps += 1
         return logits[: batch.num_seqs].float()
 
-    def _call(self, ids, positions, slots, tables, lens, real, compiling=False) -> torch.Tensor:
+    def _call(self, ids, positions, slots, tables, lens, real) -> torch.Tensor:
+        # Dynamo's guard check costs ~0.2-1 ms a SmolLM2 step (~500 tensor guards). Skipping
+        # it (set_stance(skip_guard_eval_unsafe=True)) would flip a process-wide stance: a
+        # model compiling on another thread meanwhile would fail. Not done.
         torch._dynamo.mark_dynamic(tables, 1)
         decode = DecodeInputs(self.kv.k, self.kv.v, slots, tables, lens, real)
-        if compiling:
-            return self._fn(ids, positions, decode)
-        # Every graph exists after warm_up and run() passes only what they were compiled for
-        # (a size of the set, long ids, the same weights; the caches reach the graph only
-        # through the attention op), so dynamo's full guard check (~500 tensor guards,
-        # ~0.2-1 ms a step on SmolLM2) only repeats what is known. This mode still tells the
-        # sizes' graphs apart, and a step that would need a new graph raises (run() then
-        # falls back to eager) instead of compiling mid-serving.
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            return self._fn(ids, positions, decode)
+        return self._fn(ids, positions, decode)
 
     @torch.inference_mode()
     def warm_up(self) -> float:
@@ -244,7 +238,6 @@ class CompiledDecode:
                 torch.zeros(size, 2, dtype=torch.long),
                 torch.zeros(size, dtype=torch.long),
                 torch.zeros(1, dtype=torch.long),
-                compiling=True,
             )
         self.compile_s = time.perf_counter() - start
         return self.compile_s
