@@ -218,7 +218,8 @@ class CompiledDecode:
     def _call(self, ids, positions, slots, tables, lens, real) -> torch.Tensor:
         # Dynamo's guard check costs ~0.2-1 ms a SmolLM2 step (~500 tensor guards). Skipping
         # it (set_stance(skip_guard_eval_unsafe=True)) would flip a process-wide stance: a
-        # model compiling on another thread meanwhile would fail. Not done.
+        # model compiling on another thread meanwhile would fail, and so would the recompile
+        # after LoRA wraps this model's linears. Not done.
         torch._dynamo.mark_dynamic(tables, 1)
         decode = DecodeInputs(self.kv.k, self.kv.v, slots, tables, lens, real)
         return self._fn(ids, positions, decode)
