@@ -55,9 +55,10 @@ def batch1_decode_ms(
         start = time.perf_counter()
         engine.generate([prompt], SamplingParams(max_tokens=max_new_tokens, ignore_eos=True))
         whole = time.perf_counter() - start
+        engine.pool.clear_cache()  # a prefix hit would make prefill look cheaper than it was
         start = time.perf_counter()
         engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
-        prefill = time.perf_counter() - start  # (prefix-cached now: an underestimate of prefill)
+        prefill = time.perf_counter() - start
         samples.append((whole - prefill) / (max_new_tokens - 1) * 1000)
     samples.sort()
     return samples[len(samples) // 2]

@@ -7,11 +7,15 @@
 The folder comes from the demo's own conversion (trae_groups/demo/dialog.py: GGUF →
 safetensors, checked against the GGUF logits), cached under --model-dir. For each dtype and
 batch size, the peers run alternately, ``--repeats`` rounds (median, and the spread):
-transformers ``generate`` (sdpa, left padding at batch 16), our engine eager (in bf16 also
-with decode attention through SDPA, as before the matmul decode path) and, unless
---no-compile, our engine with ``EngineConfig(compile=True)`` (its start-up compile time is
-printed). Greedy, eos off, 64-token random prompts, ``--new`` tokens. The batch-1 floor is
-every weight read once per step (the tied embedding once) at the read bandwidth measured now.
+transformers ``generate`` (sdpa, left padding at batch 16), our engine eager (with
+--sdpa-before, in bf16 also with decode attention through SDPA, as before the matmul decode
+path) and, unless --no-compile, our engine with ``EngineConfig(compile=True)`` (its start-up
+compile time is printed). Greedy, eos off, 64-token random prompts, ``--new`` tokens. Two figures per peer:
+whole requests (prefill included), and decode alone: the time of ``--new`` tokens minus the
+time of one token (prefill and the first token), over ``--new`` - 1 steps, both timed in the
+same round. The batch-1 floor is every weight read once per step (the tied embedding once)
+at the read bandwidth measured now; "x the floor" compares it with the whole-request time per
+token and with the decode step.
 Prints, never asserts: absolute rates drift on shared machines, compare ratios.
 """
 
@@ -99,17 +103,27 @@ class Engine:
         return [o.token_ids for o in outs]
 
 
-def measure(peers_, prompts, new: int, repeats: int) -> dict[str, list[float]]:
-    """Alternate the peers ``repeats`` rounds (after one warm-up each); tokens/s samples."""
-    rates: dict[str, list[float]] = {p.name: [] for p in peers_}
+def measure(peers_, prompts, new: int, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Alternate the peers ``repeats`` rounds (after one warm-up each). Per peer and round:
+    whole-request tokens/s (``new`` tokens, prefill included) and decode ms per step after
+    the first token: (time of ``new`` tokens - time of 1 token) / (new - 1), both timed in
+    the round, so prefill and the first token cancel out."""
+    samples = {p.name: {"whole": [], "decode_ms": []} for p in peers_}
     for peer in peers_:
         peer(prompts, min(new, 4))
     for _ in range(repeats):
         for peer in peers_:
-            start = time.perf_counter()
-            peer(prompts, new)
-            rates[peer.name].append(len(prompts) * new / (time.perf_counter() - start))
-    return rates
+            first = _timed(peer, prompts, 1)
+            whole = _timed(peer, prompts, new)
+            samples[peer.name]["whole"].append(len(prompts) * new / whole)
+            samples[peer.name]["decode_ms"].append((whole - first) / (new - 1) * 1e3)
+    return samples
+
+
+def _timed(peer, prompts, new: int) -> float:
+    start = time.perf_counter()
+    peer(prompts, new)
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -121,6 +135,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument(
+        "--sdpa-before", action="store_true", help="bf16: also eager with SDPA decode attention"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     peers.quiet_known_warnings()
@@ -139,19 +156,28 @@ def main() -> None:
             vocab = hf.model.config.vocab_size
             prompts = [torch.randint(3, vocab, (64,), generator=gen).tolist() for _ in range(batch)]
             ours = [Engine(folder, dtype, False, batch)]
-            if dtype != "float32":
+            if dtype != "float32" and args.sdpa_before:
                 ours.append(Engine(folder, dtype, False, batch, sdpa=True))
             if not args.no_compile:
                 ours.append(Engine(folder, dtype, True, batch))
-            rates = measure([hf, *ours], prompts, args.new, args.repeats)
-            print(f"\n## {dtype}, batch {batch}, {args.new} new tokens (tok/s: median [min-max])")
-            ref = statistics.median(rates[hf.name])
-            for name, samples in rates.items():
-                med = statistics.median(samples)
-                extra = f"  {med / ref:.2f}x transformers"
+            results = measure([hf, *ours], prompts, args.new, args.repeats)
+            print(
+                f"\n## {dtype}, batch {batch}, {args.new} new tokens; whole requests tok/s and "
+                f"decode ms/step after the first token: median [min-max]; load {peers.machine_load()}"
+            )
+            ref = {k: statistics.median(v) for k, v in results[hf.name].items()}
+            for name, res in results.items():
+                whole, step = res["whole"], res["decode_ms"]
+                med, ms = statistics.median(whole), statistics.median(step)
+                line = (
+                    f"{name:<32} {med:7.1f} [{min(whole):.1f}-{max(whole):.1f}] tok/s "
+                    f"{med / ref['whole']:.2f}x | decode "
+                    f"{ms:6.2f} ms/step [{min(step):.2f}-{max(step):.2f}] "
+                    f"= {batch * 1e3 / ms:.1f} tok/s, {ref['decode_ms'] / ms:.2f}x transformers"
+                )
                 if batch == 1:
-                    extra += f", {1e3 / med / floor_ms:.1f}x the floor's time per token"
-                print(f"{name:<32} {med:7.1f} [{min(samples):.1f}-{max(samples):.1f}]{extra}")
+                    line += f", {1e3 / med / floor_ms:.1f}x / {ms / floor_ms:.1f}x the floor"
+                print(line)
             for eng in ours:
                 if eng.compile_s:
                     print(

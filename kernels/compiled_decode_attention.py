@@ -1,0 +1,79 @@
+"""Decode attention for compiled CPU decode steps: the lean form of the torch reference.
+
+``torch.ops.trae.decode_attention`` (kernels/custom_ops.py) rebuilds a ``PagedBatch``, a mask and
+the padding count in every layer: ~190 us per call at batch 1 (fp32, SmolLM2's shapes), ~30% of
+what the compiled graph leaves besides the linears. Here the mask comes in as an argument (the
+graph computes it from the context lengths, fused by inductor) and the padding count as a
+one-element tensor, so a call is the store, one gather per cache and the attention proper:
+~45-55 us at batch 1 (bench: docs/performance.md). The numbers are the reference kernel's: the
+same SDPA call (float32) or grouped matmuls (bf16/fp16), on the same gathered pages.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trae_groups.kernels.attention import _LOW_PRECISION, _decode_matmul
+
+
+def decode_mask(context_lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor:
+    """[B, 1, 1, width] True where a one-token query at each row's last position may attend;
+    all False for padding rows (context length 0). Traceable: the compiled graph builds it."""
+    pos = torch.arange(width, device=context_lens.device)
+    lens = context_lens[:, None]
+    mask = pos[None, :] < lens
+    if sliding_window:
+        mask &= pos[None, :] >= lens - sliding_window
+    return mask[:, None, None, :]
+
+
+@torch.library.custom_op("trae::compiled_decode_attention", mutates_args=("k_cache", "v_cache"))
+def compiled_decode_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_pages: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    block_tables: torch.Tensor,
+    mask: torch.Tensor,
+    num_real: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """query [B, heads, dim], key/value [B, kv_heads, dim] for B one-token sequences, the
+    first ``num_real`` ([1]) real and the rest padding; caches [pages, tokens_per_page,
+    kv_heads, dim] (plain tensors, not quantized; a layer's view of the pool, so not
+    contiguous); each new token's page and offset [B]; block_tables [B, width]; mask from
+    ``decode_mask``. Stores the real rows' K/V, returns [B, heads, dim] (padding rows 0)."""
+    n = int(num_real)
+    out = torch.zeros_like(query)
+    if n == 0:
+        return out
+    kv_shape = k_cache.shape[2:]
+    pages, offsets = slot_pages[:n], slot_offsets[:n]
+    k_cache.index_put_((pages, offsets), key[:n])
+    v_cache.index_put_((pages, offsets), value[:n])
+    pages = block_tables[:n].reshape(-1)
+    keys = block_tables.shape[1] * k_cache.shape[1]
+    k = k_cache.index_select(0, pages).view(n, keys, *kv_shape)
+    v = v_cache.index_select(0, pages).view(n, keys, *kv_shape)
+    if query.dtype in _LOW_PRECISION:
+        out[:n] = _decode_matmul(query[:n], k, v, mask[:n], scale)
+    else:
+        o = F.scaled_dot_product_attention(
+            query[:n].unsqueeze(2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask[:n],
+            scale=scale,
+            enable_gqa=query.shape[1] != kv_shape[0],
+        )
+        out[:n] = o.squeeze(2)
+    return out
+
+
+@compiled_decode_attention.register_fake
+def _(query, key, value, k_cache, v_cache, pages, offsets, block_tables, mask, num_real, scale):
+    return torch.empty_like(query)
