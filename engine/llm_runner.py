@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from trae_groups.engine.decode_graphs import DecodeGraphs, GraphStep, cuda_capture
+from trae_groups.engine.decode_graphs import DecodeGraphs, GraphStep, cuda_capture, decode_rows
 from trae_groups.engine.fast_linear import lower_packed_linear
 from trae_groups.engine.lora import LoraSlots, lora_rows
 from trae_groups.engine.memory_pool import KVLayout, KVView
@@ -202,13 +202,8 @@ class CompiledDecode:
 
     def size_for(self, inputs: ModelInputs) -> int | None:
         """The padded size for a decode-only step, or None: run it eagerly."""
-        batch = inputs.batch
-        n = batch.num_seqs
-        if batch.num_decodes != n or inputs.input_ids.shape[1] != n:
-            return None
-        if inputs.sample_rows.numel() != n:
-            return None
-        return next((size for size in self.sizes if size >= n), None)
+        n = decode_rows(inputs)
+        return None if n is None else next((size for size in self.sizes if size >= n), None)
 
     def run(self, inputs: ModelInputs, size: int) -> torch.Tensor:
         """Logits [n, vocab] (float32) of a decode-only step padded to ``size``."""

@@ -7,7 +7,6 @@ from trae_groups.kernels.backend import (
     register_backend,
     select_backend,
 )
-from trae_groups.kernels.custom_ops import decode_attention  # registers torch.ops.trae.*
 from trae_groups.kernels.kv_quant import KV_STORAGE, QuantKV
 
 __all__ = [
@@ -16,7 +15,6 @@ __all__ = [
     "PagedBatch",
     "QuantKV",
     "available_backends",
-    "decode_attention",
     "naive_attention",
     "paged_attention",
     "register_backend",

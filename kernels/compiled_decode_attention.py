@@ -1,8 +1,8 @@
 """Decode attention for compiled CPU decode steps: the lean form of the torch reference.
 
-``torch.ops.trae.decode_attention`` (kernels/custom_ops.py) rebuilds a ``PagedBatch``, a mask and
-the padding count in every layer: ~190 us per call at batch 1 (fp32, SmolLM2's shapes), ~30% of
-what the compiled graph leaves besides the linears. Here the mask comes in as an argument (the
+The op it replaced rebuilt a ``PagedBatch``, a mask and the padding count in every layer:
+~190 us per call at batch 1 (fp32, SmolLM2's shapes), ~30% of what the compiled graph left
+besides the linears. Here the mask comes in as an argument (the
 graph computes it from the context lengths, fused by inductor) and the padding count as a
 one-element tensor, so a call is the store, one gather per cache and the attention proper:
 ~45-55 us at batch 1 (bench: docs/performance.md). The numbers are the reference kernel's: the

@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from test_engine import MAX_NEW, assert_parity, prompts
+from test_engine import MAX_NEW, assert_parity, check_decode_path_under_pressure, prompts
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trae_groups.engine.config import EngineConfig
@@ -87,18 +87,7 @@ def test_graph_decode_greedy_parity(llm_dirs, family):
 
 
 def test_graphs_with_chunked_prefill_preemption_and_prefix_cache(llama_dir):
-    system = prompts(n=1, seed=9, lo=40, hi=41)[0]
-    ps = [system + tail for tail in prompts(n=10, seed=6, lo=2, hi=20)]
-    # 12 pages of 16 tokens for up to 8 sequences of ~75 tokens: preemption; 24-token budget
-    with graph_engine(llama_dir, pool_bytes=12 * 8192, max_num_batched_tokens=24) as eng:
-        first = eng.generate(ps[:1], SamplingParams(max_tokens=MAX_NEW))
-        rest = eng.generate(ps[1:], SamplingParams(max_tokens=MAX_NEW))
-        worker = eng.llms["m"]
-        assert worker.runner.compiled.steps > 0
-        assert worker.scheduler.num_preemptions > 0
-        assert eng.pool.stats().prefix_hits > 0
-        assert eng.pool.stats().used_pages == 0
-    assert_parity(llama_dir, first + rest, ps)
+    check_decode_path_under_pressure(llama_dir, lambda **cfg: graph_engine(llama_dir, **cfg))
 
 
 def test_constrained_rows_on_graphs_equal_eager(llama_dir):

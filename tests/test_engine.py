@@ -49,6 +49,24 @@ def assert_parity(path, outs, ps, max_new=MAX_NEW):
         assert out.finished and out.finish_reason in ("stop", "length")
 
 
+def check_decode_path_under_pressure(path, make_engine) -> None:
+    """What a fixed-size decode path (compiled, graphs) must keep: greedy parity through
+    chunked prefill, preemption and prefix-cache hits. ``make_engine(**config)`` starts an
+    engine on ``path`` whose runner has that path."""
+    system = prompts(n=1, seed=9, lo=40, hi=41)[0]
+    ps = [system + tail for tail in prompts(n=10, seed=6, lo=2, hi=20)]
+    # 12 pages of 16 tokens for up to 8 sequences of ~75 tokens: preemption; 24-token budget
+    with make_engine(pool_bytes=12 * 8192, max_num_batched_tokens=24) as eng:
+        first = eng.generate(ps[:1], SamplingParams(max_tokens=MAX_NEW))
+        rest = eng.generate(ps[1:], SamplingParams(max_tokens=MAX_NEW))
+        worker = eng.llms["m"]
+        assert worker.runner.compiled.steps > 0
+        assert worker.scheduler.num_preemptions > 0
+        assert eng.pool.stats().prefix_hits > 0
+        assert eng.pool.stats().used_pages == 0
+    assert_parity(path, first + rest, ps)
+
+
 @pytest.mark.parametrize("family", sorted(LLM_FAMILIES))
 def test_greedy_parity_per_family(llm_dirs, family):
     path = llm_dirs[family]
