@@ -230,6 +230,7 @@ def _decode_kernel(
     PAGE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
+    ROW_CHUNK: tl.constexpr,
     KV_QUANT: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -242,7 +243,14 @@ def _decode_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     n_k = tl.load(ctx_ptr + seq).to(tl.int32)
-    lo = split * chunk
+    if ROW_CHUNK:  # a launch graphs replay: each row splits its own keys (whole blocks each)
+        first = 0
+        if HAS_WINDOW:
+            first = tl.maximum(n_k - window, 0) // BLOCK_N * BLOCK_N
+        chunk = tl.cdiv(tl.cdiv(n_k - first, num_splits), BLOCK_N) * BLOCK_N
+        lo = first + split * chunk
+    else:
+        lo = split * chunk
     hi = tl.minimum(lo + chunk, n_k)
     if HAS_WINDOW:
         lo = tl.maximum(lo, n_k - window)
@@ -354,10 +362,10 @@ def _reduce_splits_kernel(
         mask=sp_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    m_max = tl.max(m, 0)  # finite: the split holding the last key is never empty
+    m_max = tl.max(m, 0)  # finite unless the row has no keys (a padding row: zeros)
     w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
     total = tl.sum(w * denom, 0)
-    out = tl.sum(w[:, None] * acc, 0) / total
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(total > 0, total, 1.0)  # no keys: padding
     tl.store(
         out_ptr + seq.to(tl.int64) * so_t + head * so_h + d * so_d,
         out.to(out_ptr.dtype.element_ty),
@@ -844,11 +852,6 @@ def paged_attention(
     return out
 
 
-# Key positions one graph-captured decode program may cover: every row's own length bounds
-# its loop on the device, so the launch carries no per-step number (CUDA graphs freeze them).
-GRAPH_CHUNK = 1 << 30
-
-
 def graph_decode(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -860,12 +863,16 @@ def graph_decode(
     context_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    *,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Store and attend for B one-token rows with launches that read nothing on the host, so
     that a CUDA graph can capture them (engine/decode_graphs.py). Same contract as the torch
     reference ``attention.graph_decode``: padding rows (slot < 0, context 0) store nothing and
-    come back as zeros; ``QuantKV`` caches too. One program per (row, kv head): no key split,
-    whose count would depend on the step's lengths."""
+    come back as zeros; ``QuantKV`` caches too. Programs are (row, kv head, split): the
+    number of key splits is fixed by the batch size (to fill the GPU when rows x kv heads
+    cannot), and each row divides its own keys among them on the device. ``num_splits``
+    overrides it (tests)."""
     store_kv(key, value, k_cache, v_cache, slot_mapping)  # skips negative slots
     compute = k_cache.dtype
     k_cache, v_cache, scales = _unwrap(k_cache, v_cache)
@@ -886,7 +893,14 @@ def graph_decode(
         query.dtype, heads // kv_heads, dim, page, sliding_window is not None, scales is not None
     )
     ks, vs = scales if scales is not None else (k_cache, v_cache)  # unread when not quantized
-    _decode_kernel[(rows, kv_heads, 1)](
+    splits = num_splits or _graph_splits(rows, kv_heads, device)
+    if splits > 1:
+        part_m = torch.empty(rows, heads, splits, dtype=torch.float32, device=device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    _decode_kernel[(rows, kv_heads, splits)](
         query,
         k_cache,
         v_cache,
@@ -895,12 +909,12 @@ def graph_decode(
         block_tables,
         context_lens,
         out,
-        out,  # no split: the partial buffers are unused
-        out,
-        out,
+        part_m,
+        part_l,
+        part_acc,
         float(scale) * _LOG2E,
         int(sliding_window or 0),
-        GRAPH_CHUNK,
+        0,  # unread: ROW_CHUNK computes each row's split size on the device
         *query.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -908,10 +922,24 @@ def graph_decode(
         *vs.stride()[:3],
         *block_tables.stride(),
         *out.stride(),
-        SPLIT=False,
-        **consts["decode"],
+        **{**consts["decode"], "SPLIT": splits > 1, "ROW_CHUNK": True},
     )
+    if splits > 1:
+        _reduce_splits_kernel[(rows, heads)](
+            part_m, part_l, part_acc, out, splits, *out.stride(),
+            BLOCK_S=_pow2(splits), **consts["reduce"],
+        )  # fmt: skip
     return out
+
+
+def _graph_splits(rows: int, kv_heads: int, device: torch.device) -> int:
+    """Key splits for a captured size: enough programs for two per SM when rows x kv heads
+    fall short (batch 1 over 3 kv heads on 132 SMs: 32 splits, of which a row of 100 keys
+    uses 2); one in the interpreter."""
+    if INTERPRETED:
+        return 1
+    programs = rows * kv_heads
+    return max(1, min(32, -(-2 * _num_sms(device) // programs)))
 
 
 def launch_constants(
@@ -939,6 +967,7 @@ def launch_constants(
             common,
             BLOCK_H=_pow2(group, 16),
             BLOCK_N=32 if wide else 64,
+            ROW_CHUNK=False,  # True in graph_decode: split sizes from each row's length
             num_warps=4,
         ),
         "prefill": dict(

@@ -487,6 +487,8 @@ def test_kernels_compile_for_hopper(dtype, group, dim, window):
     # shared memory): lower the exact launch constants paged_attention uses
     consts = tri.launch_constants(DTYPES[dtype], group, dim, 16, window)
     _compile_sm90(tri._decode_kernel, dtype, {**consts["decode"], "SPLIT": True})
+    graph = {**consts["decode"], "SPLIT": True, "ROW_CHUNK": True}  # graph_decode's launch
+    _compile_sm90(tri._decode_kernel, dtype, graph)
     _compile_sm90(tri._prefill_kernel, dtype, consts["prefill"])
     if dtype == "bfloat16":
         _compile_sm90(tri._reduce_splits_kernel, dtype, {**consts["reduce"], "BLOCK_S": 8})
@@ -561,19 +563,21 @@ def test_int8_kv_kernels_compile_for_hopper(dtype):
 # ---------------------------------------------------------------------------------------
 
 
-def run_graph_decode_case(dtype: str, window: int | None, int8: bool) -> dict:
+def run_graph_decode_case(dtype: str, window: int | None, int8: bool, splits: int) -> dict:
     """Three real rows then two padding rows (slot -1, length 0), block tables wider than any
-    row needs (a graph's are as wide as the longest sequence a model admits)."""
-    from trae_groups.kernels.attention import graph_decode
+    row needs (a graph's are as wide as the longest sequence a model admits); contexts long
+    enough that every one of ``splits`` key splits has work in the longest row."""
+    from trae_groups.kernels.attention import PagedBatch, graph_decode
     from trae_groups.kernels.kv_quant import QuantKV, quantize
 
     torch.manual_seed(1)
-    pages, page, kv_heads, heads, dim, lens = 24, 4, 2, 8, 16, [5, 13, 1]
-    rows = len(lens) + 2
-    tables = torch.randperm(pages)[: rows * 4].view(rows, 4)
+    pages, page, kv_heads, heads, dim, width, lens = 80, 8, 2, 8, 16, 24, [70, 150, 1]
+    n, rows = len(lens), len(lens) + 2
+    tables = torch.zeros(rows, width, dtype=torch.long)
+    tables[:n] = torch.randperm(pages)[: n * width].view(n, width)
     slots = torch.full((rows,), -1)
-    for r, n in enumerate(lens):
-        slots[r] = tables[r, (n - 1) // page] * page + (n - 1) % page
+    for r, length in enumerate(lens):
+        slots[r] = tables[r, (length - 1) // page] * page + (length - 1) % page
     lens_t = torch.tensor(lens + [0, 0])
     q, k, v = (
         torch.randn(rows, heads, dim),
@@ -588,33 +592,29 @@ def run_graph_decode_case(dtype: str, window: int | None, int8: bool) -> dict:
             return [QuantKV(*quantize(c, torch.int8), DTYPES[dtype]) for c in plain]
         return [c.clone() for c in plain]
 
-    n = len(lens)
     (gk, gv), (ek, ev), (rk, rv) = caches(), caches(), caches()
-    got = tri.graph_decode(q, k, v, gk, gv, slots, tables, lens_t, 0.25, window)
+    got = tri.graph_decode(q, k, v, gk, gv, slots, tables, lens_t, 0.25, window, num_splits=splits)
     tri.store_kv(k[:n], v[:n], ek, ev, slots[:n])
-    batch = PagedBatch_(slots[:n], list(range(n + 1)), lens, tables[:n], n, page, lens_t[:n])
-    eager = tri.paged_attention(q[:n], k[:n], v[:n], ek, ev, batch, 0.25, window)
+    batch = PagedBatch(slots[:n], list(range(n + 1)), lens, tables[:n], n, page, lens_t[:n])
+    eager = tri.paged_attention(q[:n], k[:n], v[:n], ek, ev, batch, 0.25, window, num_splits=1)
     ref = None if int8 else graph_decode(q, k, v, rk, rv, slots, tables, lens_t, 0.25, window)
     stored = (gk.values, ek.values) if int8 else (gk, ek)
     return {"got": got, "eager": eager, "reference": ref, "stored": stored}
 
 
-def PagedBatch_(*args):
-    from trae_groups.kernels.attention import PagedBatch
-
-    return PagedBatch(*args)
-
-
 @pytest.mark.parametrize(
-    "dtype,window,int8",
-    [("float32", None, False), ("bfloat16", 6, False), ("float32", 6, True)],
-)
-def test_graph_decode_matches_the_eager_kernel_and_the_reference(interpreter, dtype, window, int8):
-    res = interpreter.submit(run_graph_decode_case, dtype, window, int8).result(timeout=280)
+    "dtype,window,int8,splits",
+    [("float32", None, False, 1), ("float32", None, False, 5), ("bfloat16", 40, False, 3),
+     ("float32", 40, True, 4)],
+)  # fmt: skip
+def test_graph_decode_matches_the_eager_kernel_and_the_reference(
+    interpreter, dtype, window, int8, splits
+):
+    res = interpreter.submit(run_graph_decode_case, dtype, window, int8, splits).result(timeout=280)
     tol = TOL[dtype]
     got = res["got"].float()
     torch.testing.assert_close(got[:3], res["eager"].float(), atol=tol, rtol=tol)
-    assert torch.equal(got[3:], torch.zeros_like(got[3:]))  # padding rows: zeros
+    assert torch.equal(got[3:], torch.zeros_like(got[3:]))  # padding rows: zeros, not NaN
     assert torch.equal(*res["stored"])  # padding stored nothing, real rows what eager stores
     if res["reference"] is not None:
         torch.testing.assert_close(got, res["reference"].float(), atol=tol, rtol=tol)
