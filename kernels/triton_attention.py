@@ -789,43 +789,8 @@ def paged_attention(
         longest = max(batch.context_lens[:nd])
         per_split = -(-longest // splits)
         chunk = -(-per_split // dec["BLOCK_N"]) * dec["BLOCK_N"]  # whole key blocks per split
-        if splits > 1:
-            part_m = torch.empty(nd, heads, splits, dtype=torch.float32, device=device)
-            part_l = torch.empty_like(part_m)
-            part_acc = torch.empty(nd, heads, splits, dim, dtype=torch.float32, device=device)
-        else:
-            part_m = part_l = part_acc = out  # unused
-        _decode_kernel[(nd, kv_heads, splits)](
-            query,
-            k_cache,
-            v_cache,
-            ks,
-            vs,
-            batch.block_tables,
-            meta["context_lens"],
-            out,
-            part_m,
-            part_l,
-            part_acc,
-            qk_scale,
-            window,
-            chunk,
-            *strides,
-            *out.stride(),
-            SPLIT=splits > 1,
-            **dec,
-        )
-        if splits > 1:
-            _reduce_splits_kernel[(nd, heads)](
-                part_m,
-                part_l,
-                part_acc,
-                out,
-                splits,
-                *out.stride(),
-                BLOCK_S=_pow2(splits),
-                **consts["reduce"],
-            )
+        _launch_decode(query, k_cache, v_cache, scales, batch.block_tables, meta["context_lens"],
+                       out, nd, splits, chunk, qk_scale, window, consts)  # fmt: skip
 
     if nd < batch.num_seqs:
         pre = consts["prefill"]
@@ -892,15 +857,29 @@ def graph_decode(
     consts = launch_constants(
         query.dtype, heads // kv_heads, dim, page, sliding_window is not None, scales is not None
     )
-    ks, vs = scales if scales is not None else (k_cache, v_cache)  # unread when not quantized
     splits = num_splits or _graph_splits(rows, kv_heads, device)
+    # chunk 0 is unread: with row_chunk each row computes its split size on the device
+    _launch_decode(query, k_cache, v_cache, scales, block_tables, context_lens, out, rows,
+                   splits, 0, float(scale) * _LOG2E, int(sliding_window or 0), consts,
+                   row_chunk=True)  # fmt: skip
+    return out
+
+
+def _launch_decode(
+    query, k_cache, v_cache, scales, block_tables, context_lens, out, rows: int, splits: int,
+    chunk: int, qk_scale: float, window: int, consts: dict, row_chunk: bool = False,
+) -> None:  # fmt: skip
+    """The decode kernel over the first ``rows`` rows, and the reduce kernel when the keys are
+    split; plain caches (``_unwrap``ped) with their scales, if quantized."""
+    heads, dim = query.shape[1], query.shape[2]
+    ks, vs = scales if scales is not None else (k_cache, v_cache)  # unread when not quantized
     if splits > 1:
-        part_m = torch.empty(rows, heads, splits, dtype=torch.float32, device=device)
+        part_m = torch.empty(rows, heads, splits, dtype=torch.float32, device=out.device)
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=device)
+        part_acc = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=out.device)
     else:
         part_m = part_l = part_acc = out  # unused
-    _decode_kernel[(rows, kv_heads, splits)](
+    _decode_kernel[(rows, k_cache.shape[2], splits)](
         query,
         k_cache,
         v_cache,
@@ -912,9 +891,9 @@ def graph_decode(
         part_m,
         part_l,
         part_acc,
-        float(scale) * _LOG2E,
-        int(sliding_window or 0),
-        0,  # unread: ROW_CHUNK computes each row's split size on the device
+        qk_scale,
+        window,
+        chunk,
         *query.stride(),
         *k_cache.stride(),
         *v_cache.stride(),
@@ -922,14 +901,13 @@ def graph_decode(
         *vs.stride()[:3],
         *block_tables.stride(),
         *out.stride(),
-        **{**consts["decode"], "SPLIT": splits > 1, "ROW_CHUNK": True},
+        **{**consts["decode"], "SPLIT": splits > 1, "ROW_CHUNK": row_chunk},
     )
     if splits > 1:
         _reduce_splits_kernel[(rows, heads)](
             part_m, part_l, part_acc, out, splits, *out.stride(),
             BLOCK_S=_pow2(splits), **consts["reduce"],
         )  # fmt: skip
-    return out
 
 
 def _graph_splits(rows: int, kv_heads: int, device: torch.device) -> int:
