@@ -6,7 +6,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import multiprocessing
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -205,3 +208,30 @@ def lora_reference(base: Path, adapter: Path | None, prompt: list[int], max_new:
 
 _LORA_REFS: dict = {}
 _LORA_OUTPUTS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """One spawned worker with TRITON_INTERPRET=1, shared by every case of a test file: Triton
+    picks compiled or interpreted once per process, when triton.language is first imported,
+    which this process did long ago (see tests/test_triton_kernels.py)."""
+    ctx = multiprocessing.get_context("spawn")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"  # inherited by the worker at spawn, then restored
+    pool = ProcessPoolExecutor(max_workers=1, mp_context=ctx)
+    try:
+        assert pool.submit(_worker_interpreted).result(timeout=120)
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+    yield pool
+    pool.shutdown(cancel_futures=True)
+
+
+def _worker_interpreted() -> bool:
+    torch.set_num_threads(1)
+    from trae_groups.kernels import triton_attention
+
+    return triton_attention.INTERPRETED and triton_attention.available("cpu")

@@ -17,9 +17,6 @@ The whole file skips cleanly when triton is not installed.
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
-import os
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 
 import pytest
@@ -113,29 +110,6 @@ def run_case(case: Case, device: str) -> dict[str, torch.Tensor]:
         case.window,
     )
     return {"got": got.cpu(), "reference": want_ref, "dense": dense}
-
-
-@pytest.fixture(scope="module")
-def interpreter():
-    """One spawned worker with TRITON_INTERPRET=1, shared by every case of this file."""
-    ctx = multiprocessing.get_context("spawn")
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # inherited by the worker at spawn, then restored
-    pool = ProcessPoolExecutor(max_workers=1, mp_context=ctx)
-    try:
-        assert pool.submit(_worker_interpreted).result(timeout=120)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    yield pool
-    pool.shutdown(cancel_futures=True)
-
-
-def _worker_interpreted() -> bool:
-    torch.set_num_threads(1)
-    return tri.INTERPRETED and tri.available("cpu")
 
 
 MODES = [

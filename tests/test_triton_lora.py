@@ -9,9 +9,6 @@ GPU, compiled (marked gpu).
 from __future__ import annotations
 
 import importlib.util
-import multiprocessing
-import os
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -59,30 +56,6 @@ def run_triton(case: str, dtype: str, device: str) -> torch.Tensor:
 def expected(case: str, dtype: str) -> torch.Tensor:
     x, y, a, b, ranks, rows = build(case, dtype)
     return lora_update(y.float(), x.float(), a.float(), b.float(), ranks, rows).to(x.dtype)
-
-
-@pytest.fixture(scope="module")
-def interpreter():
-    ctx = multiprocessing.get_context("spawn")
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # inherited by the worker at spawn, then restored
-    pool = ProcessPoolExecutor(max_workers=1, mp_context=ctx)
-    try:
-        assert pool.submit(_interpreted).result(timeout=120)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    yield pool
-    pool.shutdown(cancel_futures=True)
-
-
-def _interpreted() -> bool:
-    torch.set_num_threads(1)
-    from trae_groups.kernels import triton_attention
-
-    return triton_attention.INTERPRETED
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
