@@ -85,6 +85,7 @@ class Engine:
         )
         start = time.perf_counter()
         self.engine = LLMEngine({"m": str(folder)}, config)
+        self.engine.size_pool()  # the compiled sizes are built here (start() does it first)
         self.start_s = time.perf_counter() - start
         compiled = self.engine.llms["m"].runner.compiled
         self.compile_s = compiled.compile_s if compiled else 0.0

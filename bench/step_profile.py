@@ -48,6 +48,7 @@ def build_engine(model_dir: str, dtype: str, compile_: bool, batch_sizes: list[i
         dtype=dtype, pool_bytes=512 << 20, max_num_seqs=64, max_num_batched_tokens=1024, **extra
     )
     engine = LLMEngine({"m": model_dir}, config)
+    engine.size_pool()  # what start() does first: the pool is final, compiled sizes are built
     return engine, engine.llm("m")
 
 

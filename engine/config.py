@@ -62,8 +62,8 @@ class EngineConfig:
     max_loras: int = 4
     max_lora_rank: int = 16
     # decode-only steps at fixed batch sizes (the batch padded up to one of these), prepared
-    # when the model is added: torch.compile on CPU (seconds to minutes each), CUDA graphs on
-    # a GPU with the triton backend (engine/decode_graphs.py); other steps run eagerly
+    # once the pool has its size (at start): torch.compile on CPU (seconds to minutes each),
+    # CUDA graphs on a GPU with the triton backend (engine/decode_graphs.py); others eager
     compile: bool = False
     compile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     # bytes of weights held at once: on-demand models are evicted (least recently used,

@@ -95,7 +95,8 @@ class LLMEngine:
         storage = self.config.kv_storage
         layouts = [kv_layout(read_config(p), self.config.torch_dtype, storage) for p in paths]
         self.pool = self._make_pool(layouts)
-        self._pool_sized = self.config.pool_bytes is not None
+        self._pool_sized = False  # final size, KV capacity logged (size_pool)
+        self._to_compile: list[tuple[LLMWorker, tuple[int, ...]]] = []  # until then
         self.llms: dict[str, LLMWorker] = {}
         self.residency = Residency(
             self.store.total_bytes, self.config.weight_budget, self.config.load_wait
@@ -124,8 +125,11 @@ class LLMEngine:
 
     def size_pool(self) -> None:
         """Give the pool its size, once, when serving starts (the weights are in memory
-        by then): ``EngineConfig.pool_size``. Logs how many KV tokens each LLM can hold."""
-        if not self._pool_sized:
+        by then): ``pool_bytes``, else ``EngineConfig.pool_size``. Logs how many KV tokens
+        each LLM can hold, then prepares the fixed-size decode steps that wait for it."""
+        if self._pool_sized:
+            return
+        if self.config.pool_bytes is None:
             size, source = self.config.pool_size()
             if size < self.pool.page_bytes:
                 raise EngineError(
@@ -133,14 +137,31 @@ class LLMEngine:
                     f"{self.pool.page_bytes}-byte page); set pool_bytes or a larger reservation"
                 )
             self.loop.call(lambda: self.pool.resize(size // self.pool.page_bytes))
-            self._pool_sized = True
             log.info(
                 "pool: %d pages x %d bytes = %.1f MiB (%s)",
                 self.pool.num_pages, self.pool.page_bytes,
                 self.pool.num_pages * self.pool.page_bytes / 2**20, source,
             )  # fmt: skip
+        self._pool_sized = True
         for worker in self.llms.values():
             self._log_capacity(worker)
+        while self._to_compile:
+            self._compile(*self._to_compile.pop(0))
+
+    def _compile(self, worker: LLMWorker, sizes: tuple[int, ...]) -> None:
+        """Fixed-size decode steps (compiled on CPU, CUDA graphs on a GPU) see the pool's
+        final buffer: a graph holds its addresses."""
+
+        def prepare() -> float:
+            return worker.runner.enable_compile(sizes, worker.max_model_len)
+
+        # a CUDA graph capture must not overlap other models' kernels (a model added while
+        # serving): it runs between steps on the engine thread; compiling on CPU does not
+        cuda = worker.runner.device.type == "cuda"
+        seconds = self.loop.call(prepare) if cuda else prepare()
+        log.info(
+            "model %s: fixed-size decode for batch sizes %s in %.1f s", worker.name, sizes, seconds
+        )
 
     def _log_capacity(self, worker: LLMWorker) -> None:
         tokens = self.pool.num_pages * worker.kv.tokens_per_page
@@ -204,20 +225,12 @@ class LLMEngine:
             cache_key=cache_key or (name, str(path)),
         )
         if config.compile:
-            self.size_pool()  # compiled steps see the pool's final shape
             sizes = tuple(b for b in config.compile_batch_sizes if b <= config.max_num_seqs)
             sizes = sizes or (config.max_num_seqs,)
-
-            def prepare() -> float:
-                return worker.runner.enable_compile(sizes, worker.max_model_len)
-
-            # a CUDA graph capture must not overlap other models' kernels (a model added while
-            # serving): it runs between steps on the engine thread; compiling on CPU does not
-            cuda = worker.runner.device.type == "cuda"
-            seconds = self.loop.call(prepare) if cuda else prepare()
-            log.info(
-                "model %s: fixed-size decode for batch sizes %s in %.1f s", name, sizes, seconds
-            )
+            if self._pool_sized:  # a model added while serving: now, before it takes work
+                self._compile(worker, sizes)
+            else:  # at start, once the pool has its size (the other models' weights loaded)
+                self._to_compile.append((worker, sizes))
         self.llms[name] = worker
         self.loop.add_worker(worker)
         if self._pool_sized and self.loop.running:  # an on-demand model, a new version

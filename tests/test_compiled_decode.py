@@ -123,3 +123,24 @@ def test_compiled_bf16_matches_eager_bf16(llama_dir):
         torch.testing.assert_close(
             torch.tensor(eager.logprobs), torch.tensor(compiled.logprobs), atol=3e-2, rtol=0
         )
+
+
+def test_compiling_waits_for_the_pool_to_be_sized_at_start(llm_dirs):
+    """Without pool_bytes the pool is sized when serving starts, from the memory the weights
+    of every model leave; compiled sizes (CUDA graphs hold the pool's addresses) are built
+    after that, not while the first model loads."""
+    cfg = EngineConfig(pool_fraction=0.002, fast_linear=False, compile=True,
+                       compile_batch_sizes=(2,), max_num_seqs=2)  # fmt: skip
+    eng = LLMEngine({"a": llm_dirs["llama"], "b": llm_dirs["qwen3"]}, cfg)
+    try:
+        assert eng.pool.num_pages == 1  # not sized yet
+        assert all(w.runner.compiled is None for w in eng.llms.values())
+        eng.start()
+        assert eng.pool.num_pages > 1
+        assert all(w.runner.compiled is not None for w in eng.llms.values())
+        ps = prompts(n=2, seed=3)
+        assert_parity(
+            llm_dirs["llama"], eng.generate(ps, SamplingParams(max_tokens=MAX_NEW), model="a"), ps
+        )
+    finally:
+        eng.shutdown()
