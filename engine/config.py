@@ -18,6 +18,7 @@ DEFAULT_GPU_MEMORY_RESERVATION = 0.9
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 QUANTIZATIONS = ("int8",)  # weight quantizations the weight store applies (engine/quant.py)
 KV_CACHE_DTYPES = ("auto", *KV_STORAGE)
+MODEL_FORWARDS = ("auto", "transformers")
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_cache: bool = True
     fast_linear: bool = True  # oneDNN pre-packed linears on CPU, when available
+    # which forward runs a causal LM on CPU: "auto" is our own for the families it knows
+    # (engine/flat_forward.py: Llama, Mistral, Qwen2, Qwen3) and transformers' for the rest;
+    # "transformers" is transformers' model classes with our attention for every model
+    model_forward: str = "auto"
     # weights of the LLMs the engine loads itself: None (as the dtype says) or "int8"
     # (engine/quant.py); a graph sets it per model
     quantization: str | None = None
@@ -97,6 +102,10 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype: must be one of {list(KV_CACHE_DTYPES)}, "
                 f"got {self.kv_cache_dtype!r}"
+            )
+        if self.model_forward not in MODEL_FORWARDS:
+            raise ValueError(
+                f"model_forward: must be one of {list(MODEL_FORWARDS)}, got {self.model_forward!r}"
             )
         if self.scheduling not in POLICIES:
             raise ValueError(f"scheduling: must be one of {POLICIES}, got {self.scheduling!r}")

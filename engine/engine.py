@@ -20,7 +20,7 @@ from transformers import AutoConfig
 
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.errors import EngineError, EngineStopped, ModelLoadError, RequestError
-from trae_groups.engine.llm_runner import ATTN_NAME, kv_layout
+from trae_groups.engine.llm_runner import ATTN_NAME, kv_layout, prepare_forward
 from trae_groups.engine.llm_worker import LLMWorker
 from trae_groups.engine.loop import EngineLoop
 from trae_groups.engine.memory_pool import MemoryPool
@@ -198,12 +198,10 @@ class LLMEngine:
                 self.config.device,
                 self.config.quantization,
             )
-        if self.config.fast_linear and self.config.device == "cpu":
-            from trae_groups.engine.fast_linear import fast_linear_available, pack_linears
-
-            if fast_linear_available() and pack_linears(model):
-                # the plain weights packing replaced: not counted, their file pages given back
-                self.store.settle(model)
+        if prepare_forward(model, self.config):
+            # the plain weights fusing and packing replaced: not counted, their file pages
+            # given back
+            self.store.settle(model)
         overrides = {
             "max_num_seqs": max_num_seqs,
             "max_prompt_tokens": max_prompt_tokens,

@@ -26,7 +26,18 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from trae_groups.engine.decode_graphs import DecodeGraphs, GraphStep, cuda_capture, decode_rows
-from trae_groups.engine.fast_linear import lower_packed_linear
+from trae_groups.engine.fast_linear import (
+    fast_linear_available,
+    lower_packed_linear,
+    pack_linears,
+)
+from trae_groups.engine.flat_forward import (
+    Attend,
+    FlatForward,
+    flat_forward_of,
+    paged_attend,
+    unsupported_reason,
+)
 from trae_groups.engine.lora import LoraSlots, lora_rows
 from trae_groups.engine.memory_pool import KVLayout, KVView
 from trae_groups.engine.scheduler import SchedulerOutput
@@ -126,6 +137,21 @@ def _compiled_decode_attention(module, query, key, value, scaling, kwargs, d: De
     return out.unsqueeze(0), None
 
 
+def _compiled_attend(d: DecodeInputs) -> Attend:
+    """The flat forward's attention in a compiled decode step: the same op as above."""
+
+    def attend(layer: int, q, k, v, window: int | None, scale: float) -> torch.Tensor:
+        k_cache, v_cache = d.k_caches[layer], d.v_caches[layer]
+        page = k_cache.shape[1]
+        mask = decode_mask(d.context_lens, d.block_tables.shape[1] * page, window)
+        return torch.ops.trae.compiled_decode_attention(
+            q, k, v, k_cache, v_cache, d.slot_mapping // page, d.slot_mapping % page,
+            d.block_tables, mask, d.num_real, scale,
+        )  # fmt: skip
+
+    return attend
+
+
 AttentionInterface.register(ATTN_NAME, paged_attention_forward)
 
 
@@ -174,6 +200,7 @@ class CompiledDecode:
 
     def __init__(self, model: torch.nn.Module, kv: KVView, sizes: tuple[int, ...]):
         self.model = model
+        self.flat = flat_forward_of(model)  # our forward, or transformers' (None)
         self.kv = kv
         self.sizes = sorted(set(sizes))
         self.compile_s = 0.0
@@ -191,6 +218,8 @@ class CompiledDecode:
         )
 
     def _forward(self, input_ids, position_ids, decode: DecodeInputs) -> torch.Tensor:
+        if self.flat is not None:
+            return self.flat(input_ids[0], position_ids[0], None, _compiled_attend(decode))
         out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -251,12 +280,34 @@ class CompiledDecode:
         return self.compile_s
 
 
+def prepare_forward(model: torch.nn.Module, config) -> bool:
+    """Make a loaded causal LM ready for the engine's steps, in place: our flat forward
+    (fused projections) where its family allows and ``config.model_forward`` is "auto", and
+    oneDNN-packed linears on CPU (``config.fast_linear``). Returns whether weights were
+    replaced (the weight store then settles its accounting). A model already prepared (one
+    instance behind several workers) is left as it is."""
+    if torch.device(config.device).type != "cpu":
+        return False  # GPUs keep transformers' forward (and CUDA graphs of it)
+    changed = False
+    if (
+        config.model_forward == "auto"
+        and flat_forward_of(model) is None
+        and unsupported_reason(model) is None
+    ):
+        model.trae_flat = FlatForward(model)
+        changed = True
+    if config.fast_linear and fast_linear_available():
+        changed = bool(pack_linears(model)) or changed
+    return changed
+
+
 class LLMRunner:
     def __init__(self, model: torch.nn.Module, kv: KVView, backend: AttentionBackend):
         self.model = model
         self.kv = kv
         self.backend = backend
         self.device = next(model.parameters()).device
+        self.flat = flat_forward_of(model)
         self.compiled: CompiledDecode | DecodeGraphs | None = None  # fixed-size decode steps
         self.lora: LoraSlots | None = None  # the model's adapters, once it has any
 
@@ -377,6 +428,14 @@ class LLMRunner:
         if self.lora is not None:
             self.lora.rows = inputs.lora  # what the wrapped linears read during this forward
         try:
+            if self.flat is not None:
+                return self.flat(
+                    inputs.input_ids[0],
+                    inputs.position_ids[0],
+                    inputs.sample_rows,
+                    paged_attend(inputs.batch, self.kv, self.backend),
+                    inputs.lora is not None,
+                ).float()
             # a chunk that ends before its prompt does keeps no rows: only the cache fills
             out = self.model(
                 input_ids=inputs.input_ids,

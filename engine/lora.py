@@ -83,6 +83,13 @@ class LoraLinear(nn.Module):
         self._slots.kernel(flat, x.reshape(-1, self.in_features), self.a, self.b, self.ranks, rows)
         return flat.view(y.shape)
 
+    def add_update(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add this step's adapter update to ``y`` in place, the base output computed
+        elsewhere (a slice of a fused projection, ``engine/flat_forward.py``)."""
+        rows = self._slots.rows
+        if rows is not None and self.a is not None:
+            self._slots.kernel(y, x, self.a, self.b, self.ranks, rows)
+
     def allocate(self, max_loras: int, max_rank: int, dtype, device) -> None:
         self.a = torch.zeros(max_loras, max_rank, self.in_features, dtype=dtype, device=device)
         self.b = torch.zeros(max_loras, max_rank, self.out_features, dtype=dtype, device=device)

@@ -34,6 +34,7 @@ from torch import nn
 
 from trae_groups.engine.config import QUANTIZATIONS
 from trae_groups.engine.errors import ModelLoadError
+from trae_groups.engine.flat_forward import forward_path
 from trae_groups.engine.memory import (
     distinct,
     module_tensors,
@@ -138,6 +139,7 @@ class ModelReport:
     gpu: str
     loads: int  # how many load() calls returned this instance
     choice: str | None = None  # why these weights, when dtype/quantization was "auto"
+    forward: str | None = None  # a causal LM's forward: ours or transformers' (and why)
 
 
 class _Held:
@@ -419,6 +421,7 @@ class WeightStore:
             gpu=loaded.policy.gpu,
             loads=loaded.loads,
             choice=loaded.choice,
+            forward=forward_path(loaded.model) if loaded.task == "generate" else None,
         )
 
     def total_bytes(self) -> int:

@@ -21,6 +21,7 @@ from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.errors import ModelLoadError, RequestError
 from trae_groups.engine.fast_linear import PackedLinear
+from trae_groups.engine.flat_forward import FusedSlice
 from trae_groups.engine.lora import LoraLinear
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.kernels.lora import LoraRows, lora_update, lora_update_reference, runs_of
@@ -84,8 +85,11 @@ def test_mixed_batch_of_base_and_three_adapters_matches_peft_merged(lora_sets, f
     assert_parity(base, adapters, outs, ps, names)
     # every linear of the model is targeted by "wide" (all-linear but the lm_head)
     assert len(wrapped) == 7 * 2
+    # q/k/v and gate/up are slices of the flat forward's fused projections; o/down packed
+    kinds = {type(m.base_layer) for m in wrapped}
+    assert FusedSlice in kinds, kinds
     if family == "qwen3":
-        assert all(isinstance(m.base_layer, PackedLinear) for m in wrapped)
+        assert kinds == {FusedSlice, PackedLinear}, kinds
     # the adapters matter: no adapter's rows equal the base's for the same prompts
     by_name = {}
     for name, out in zip(names, outs, strict=True):

@@ -304,6 +304,8 @@ def cmd_model_info(args: argparse.Namespace) -> int:
             "resident": "always",
             "quantize": r.quantize,
         }
+        if r.forward:  # a causal LM: our flat forward or transformers' (and why)
+            row["forward"] = r.forward
         if any(x.choice for x in reports):  # "auto" weights: what was chosen and why
             row["chosen"] = r.choice
         if args.detail:

@@ -1,0 +1,278 @@
+"""Our own forward for the decoder families we serve, over the flat paged batch.
+
+transformers' model classes run one module call per projection, norm and activation, and
+rebuild rotary tables, masks and views per layer: at batch 1 on a CPU most of a decode step
+is that glue, not the matmuls. For the families below (Llama, SmolLM2 included, Mistral,
+Qwen2, Qwen3) the engine runs this forward instead, over the same weights:
+
+* q/k/v and gate/up are one matmul each (the weights concatenated once at load, then packed
+  for oneDNN where it pays); the separate weights are dropped, so memory stays what the
+  model needs;
+* RMSNorm is torch's fused op, the residual add done in place before it;
+* rotary cos/sin are computed once per step (the model's own rotary module, so every
+  scaling type it knows stays exact) and applied to q and k in a few ops;
+* SiLU-and-multiply is two ops on the fused gate/up output;
+* logits only for the rows that sample.
+
+The batch is the scheduler's flattened one (decodes first, then prefill chunks); attention
+is the engine's backend (``store_kv`` and ``paged_attention``), so int8 KV pages, sliding
+windows and every backend work as before. The transformers model object stays: its config,
+tokenizer and generation config, its embedding and norms (shared tensors), and placeholders
+(``FusedSlice``) where q/k/v/gate/up were, so LoRA adapters still target those names: a
+wrapped slice adds its update to its columns of the fused output. Any other architecture
+runs through transformers' forward with our attention (``llm_runner``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trae_groups.kernels import AttentionBackend, PagedBatch
+
+# model_type -> how a layer's sliding window is found (None: never windowed)
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class FusedSlice(nn.Module):
+    """Where a projection fused into a wider one was: its shape and columns, no weight.
+
+    LoRA (``engine/lora.py``) wraps it by name like any linear; the flat forward then adds the
+    adapter's update to these columns of the fused output. It is never called itself.
+    """
+
+    def __init__(self, in_features: int, start: int, stop: int):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = stop - start
+        self.start, self.stop = start, stop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a fused projection's slice runs inside the flat forward")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, columns={self.start}:{self.stop}"
+
+
+def _linear_parts(parts: list[nn.Linear]) -> nn.Linear:
+    """One ``nn.Linear`` whose output is the parts' outputs side by side."""
+    weight = torch.cat([p.weight.detach() for p in parts])
+    biases = [p.bias for p in parts]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat(
+            [b.detach() if b is not None else weight.new_zeros(p.out_features)
+             for b, p in zip(biases, parts, strict=True)]
+        )  # fmt: skip
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    return fused
+
+
+class _Concat(nn.Module):
+    """Parts that cannot be concatenated (quantized linears): called one by one."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+
+def fuse(parent: nn.Module, names: tuple[str, ...], pack) -> nn.Module:
+    """Replace ``parent``'s linears ``names`` by slices of one fused projection; return it."""
+    parts = [getattr(parent, n) for n in names]
+    same = all(type(p) is nn.Linear for p in parts) and len({p.weight.dtype for p in parts}) == 1
+    fused = pack(_linear_parts(parts)) if same else _Concat(parts)
+    start = 0
+    for name, part in zip(names, parts, strict=True):
+        setattr(parent, name, FusedSlice(part.in_features, start, start + part.out_features))
+        start += part.out_features
+    return fused
+
+
+def unsupported_reason(model: nn.Module) -> str | None:
+    """Why ``model`` cannot take the flat forward (None: it can)."""
+    config = model.config.get_text_config()
+    kind = getattr(config, "model_type", None)
+    if kind not in FAMILIES:
+        return f"architecture {kind!r} runs through transformers (flat forward: {FAMILIES})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (the flat forward fuses silu)"
+    base = getattr(model, "model", None)
+    layers = getattr(base, "layers", None)
+    if layers is None or not hasattr(model, "lm_head") or not hasattr(base, "rotary_emb"):
+        return "not the usual decoder layout (model.layers, rotary_emb, lm_head)"
+    return None
+
+
+# attend(layer index, q [T, heads, dim], k and v [T, kv_heads, dim], window, scale) -> [T, heads, dim]
+Attend = Callable[
+    [int, torch.Tensor, torch.Tensor, torch.Tensor, "int | None", float], torch.Tensor
+]
+
+
+def paged_attend(batch: PagedBatch, kv, backend: AttentionBackend) -> Attend:
+    """The eager step's attention: the backend stores each layer's new K/V into its pages
+    and attends over the batch's block tables (int8 pages, windows, any backend)."""
+
+    def attend(layer: int, q, k, v, window: int | None, scale: float) -> torch.Tensor:
+        k_cache, v_cache = kv.k[layer], kv.v[layer]
+        backend.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        return backend.paged_attention(q, k, v, k_cache, v_cache, batch, scale, window)
+
+    return attend
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's pieces, read from transformers' modules at every step where
+    LoRA may wrap them (o_proj, down_proj) and fixed otherwise."""
+
+    block: nn.Module  # the transformers decoder layer (not owned)
+    q_size: int
+    kv_size: int
+    intermediate: int
+    window: int | None
+
+
+class FlatForward(nn.Module):
+    """The forward of a Llama-family decoder over a flat paged batch (module docstring)."""
+
+    def __init__(self, model: nn.Module, pack=lambda linear: linear):
+        super().__init__()
+        config = model.config.get_text_config()
+        self.kind = config.model_type
+        base = model.model
+        self.heads = config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.eps = config.rms_norm_eps
+        self._refs = (model, base)  # a tuple: not registered as submodules (no cycle)
+        self.qkv = nn.ModuleList()
+        self.gate_up = nn.ModuleList()
+        self._layers: list[_Layer] = []
+        for block in base.layers:
+            attn, mlp = block.self_attn, block.mlp
+            qkv = fuse(attn, ("q_proj", "k_proj", "v_proj"), pack)
+            gate_up = fuse(mlp, ("gate_proj", "up_proj"), pack)
+            self.qkv.append(qkv)
+            self.gate_up.append(gate_up)
+            window = getattr(attn, "sliding_window", None)
+            if self.kind == "mistral":
+                window = getattr(config, "sliding_window", None)
+            self._layers.append(
+                _Layer(
+                    block,
+                    q_size=self.heads * self.head_dim,
+                    kv_size=self.kv_heads * self.head_dim,
+                    intermediate=mlp.up_proj.out_features,
+                    window=window,
+                )
+            )  # fmt: skip
+        self.scale = self.head_dim**-0.5
+
+    @property
+    def model(self) -> nn.Module:
+        return self._refs[0]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        sample_rows: torch.Tensor | None,
+        attend: Attend,
+        lora_active: bool = False,
+    ) -> torch.Tensor:
+        """input_ids, positions [T]; logits [len(sample_rows), vocab] (every row when
+        ``sample_rows`` is None), in the model's dtype. ``attend(layer, q, k, v, window,
+        scale)`` stores the new K/V and returns attention [T, heads, dim]: the eager
+        backend's (``paged_attend``) or a compiled step's."""
+        model, base = self._refs
+        hidden = base.embed_tokens(input_ids)
+        cos, sin = base.rotary_emb(hidden, positions[None])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        residual = hidden
+        x = _rms_norm(hidden, base.layers[0].input_layernorm)
+        # the fused projections are read from the module lists: packing replaces them there
+        for i, layer in enumerate(self._layers):
+            block, qkv, gate_up = layer.block, self.qkv[i], self.gate_up[i]
+            if i:
+                x = _add_rms_norm(hidden, residual, block.input_layernorm)
+            hidden = self._attention(i, layer, qkv(x), cos, sin, attend, lora_active, x)
+            x = _add_rms_norm(hidden, residual, block.post_attention_layernorm)
+            hidden = self._mlp(layer, gate_up(x), lora_active, x)
+        if sample_rows is None:
+            rows = residual.add_(hidden)
+        else:
+            rows = residual.index_select(0, sample_rows).add_(hidden.index_select(0, sample_rows))
+        return model.lm_head(_rms_norm(rows, base.norm))
+
+    def _attention(self, i, layer: _Layer, qkv, cos, sin, attend: Attend, lora_active, x):
+        attn = layer.block.self_attn
+        if lora_active:
+            _slice_updates(attn, ("q_proj", "k_proj", "v_proj"), x, qkv)
+        t, d = qkv.shape[0], self.head_dim
+        q = qkv[:, : layer.q_size].view(t, self.heads, d)
+        k = qkv[:, layer.q_size : layer.q_size + layer.kv_size].view(t, self.kv_heads, d)
+        v = qkv[:, layer.q_size + layer.kv_size :].view(t, self.kv_heads, d)
+        if self.kind == "qwen3":  # RMSNorm over each head, before rotary
+            q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = attend(i, q, k, v, layer.window, self.scale)
+        return attn.o_proj(out.reshape(t, layer.q_size))
+
+    def _mlp(self, layer: _Layer, gate_up, lora_active, x):
+        mlp = layer.block.mlp
+        if lora_active:
+            _slice_updates(mlp, ("gate_proj", "up_proj"), x, gate_up)
+        n = layer.intermediate
+        return mlp.down_proj(F.silu(gate_up[:, :n]).mul_(gate_up[:, n:]))
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    return torch.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def _add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """``residual += hidden`` in place, then the norm of it (the next sublayer's input)."""
+    residual.add_(hidden)
+    return _rms_norm(residual, norm)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half form (transformers' ``apply_rotary_pos_emb``):
+    x [T, heads, dim]; cos/sin [T, 1, dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((x[..., half:].neg(), x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, rotated, sin)
+
+
+def _slice_updates(parent: nn.Module, names: tuple[str, ...], x, fused_out) -> None:
+    """Add each LoRA-wrapped slice's update to its columns of the fused output, in place."""
+    for name in names:
+        part = getattr(parent, name)
+        base = getattr(part, "base_layer", None)
+        if isinstance(base, FusedSlice):
+            part.add_update(x, fused_out[:, base.start : base.stop])
+
+
+def flat_forward_of(model: nn.Module) -> FlatForward | None:
+    """The model's flat forward, if it runs on one."""
+    flat = getattr(model, "trae_flat", None)
+    return flat if isinstance(flat, FlatForward) else None
+
+
+def forward_path(model: nn.Module) -> str:
+    """Which forward runs a causal LM, and why, for ``trae model info`` and logs."""
+    if flat_forward_of(model) is not None:
+        return "trae (fused projections)"
+    reason = unsupported_reason(model)
+    return "transformers" + (f": {reason}" if reason else "")
