@@ -29,6 +29,8 @@ SIZES = (1, 4, 8)
 def graph_engine(path, sizes=SIZES, **cfg) -> LLMEngine:
     cfg.setdefault("pool_bytes", 8 << 20)
     cfg.setdefault("fast_linear", False)  # the reference path: parity is token-exact
+    # graphs capture transformers' forward (what GPUs run); on CPU these tests replay it
+    cfg.setdefault("model_forward", "transformers")
     cfg.setdefault("max_num_seqs", max(sizes))
     eng = LLMEngine({"m": path}, EngineConfig(**cfg)).start()
     worker = eng.llms["m"]
@@ -101,7 +103,10 @@ def test_constrained_rows_on_graphs_equal_eager(llama_dir):
               SamplingParams(max_tokens=12, constraint=Constraint("regex", "[0-9]{3}-[a-z]{2}")),
               SamplingParams(max_tokens=12, constraint=Constraint.choice(["refund", "track"])),
               SamplingParams(max_tokens=12, ignore_eos=True)]  # fmt: skip
-    with LLMEngine({"m": llama_dir}, EngineConfig(pool_bytes=8 << 20, fast_linear=False)) as eng:
+    with LLMEngine(
+        {"m": llama_dir},
+        EngineConfig(pool_bytes=8 << 20, fast_linear=False, model_forward="transformers"),
+    ) as eng:
         eager = eng.generate(PROMPTS, params)
     with graph_engine(llama_dir) as eng:
         replayed = eng.generate(PROMPTS, params)
@@ -169,7 +174,8 @@ def test_a_failing_capture_leaves_the_model_eager(llama_dir, caplog):
         raise RuntimeError("simulated capture failure")
 
     ps = prompts(n=2, seed=4)
-    with LLMEngine({"m": llama_dir}, EngineConfig(pool_bytes=8 << 20)).start() as eng:
+    config = EngineConfig(pool_bytes=8 << 20, model_forward="transformers")
+    with LLMEngine({"m": llama_dir}, config).start() as eng:
         worker = eng.llms["m"]
         assert worker.runner.enable_graphs((2,), worker.max_model_len, capture=broken) == 0.0
         assert worker.runner.compiled is None
