@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import build_encoder, build_llm
 from trae_groups.engine import EngineConfig
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 SUPPORT = """
 name: support
@@ -241,7 +241,7 @@ def test_each_app_has_its_own_registry(server):
 
 
 # ---------------------------------------------------------------- one run scope per request
-# trae_groups/run_scope.py: every admitted request records exactly one outcome, whichever
+# trae_groups/serving/run_scope.py: every admitted request records exactly one outcome, whichever
 # way it ends, and is released.
 
 

@@ -14,13 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from trae_groups.app_state import AppState, ServedGraph
 from trae_groups.graphs.errors import first_error
 from trae_groups.graphs.executor import Prepared, RunResult
 from trae_groups.graphs.nodes import result_schema
 from trae_groups.graphs.spec import GraphSpec
-from trae_groups.http_errors import bad_request, error_body, status_of
-from trae_groups.http_io import (
+from trae_groups.serving.app_state import AppState, ServedGraph
+from trae_groups.serving.http_errors import bad_request, error_body, status_of
+from trae_groups.serving.http_io import (
     Emit,
     ResultResponse,
     header_deadline,
@@ -28,7 +28,7 @@ from trae_groups.http_io import (
     sse,
     until_disconnect,
 )
-from trae_groups.run_scope import CLIENT_GONE, RunScope
+from trae_groups.serving.run_scope import CLIENT_GONE, RunScope
 
 
 class RunRequest(BaseModel):

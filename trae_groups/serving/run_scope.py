@@ -11,7 +11,7 @@ routes) enters one ``RunScope``, so the per-request protocol is written once::
 
 What the scope owns:
 
-- **admission**: ready, the graph's in-flight cap, its capacity (trae_groups/admission.py),
+- **admission**: ready, the graph's in-flight cap, its capacity (trae_groups/serving/admission.py),
   and pinning the request to the executor it was admitted on (a reload does not change it
   mid-request);
 - **deadline admission**, when the run is prepared (``prepare``);
@@ -33,19 +33,19 @@ from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
 
-from trae_groups.admission import overloaded, unreachable
-from trae_groups.app_state import AppState, ServedGraph
 from trae_groups.engine.deadlines import Deadline
 from trae_groups.graphs.errors import GraphTimeout, NodeError
 from trae_groups.graphs.executor import GraphExecutor, Prepared, RunResult
-from trae_groups.http_errors import (
+from trae_groups.serving.admission import overloaded, unreachable
+from trae_groups.serving.app_state import AppState, ServedGraph
+from trae_groups.serving.http_errors import (
     deadline_unreachable,
     error_body,
     overloaded_error,
     queue_full,
     status_of,
 )
-from trae_groups.http_io import Emit, EventStream
+from trae_groups.serving.http_io import Emit, EventStream
 
 CLIENT_GONE = 499  # the status metrics record when the client left first (nginx's)
 
@@ -122,7 +122,7 @@ class RunScope:
 
     def _admit_deadline(self, deadline: Deadline | None) -> None:
         """503 with Retry-After and the estimate when the graph drops late work and the
-        estimate says the request cannot make its deadline (trae_groups/admission.py)."""
+        estimate says the request cannot make its deadline (trae_groups/serving/admission.py)."""
         if deadline is None or not deadline.drop or not self.state.config.deadline_admission:
             return
         served, graph = self.served, self.executor.graph

@@ -5,7 +5,7 @@ Admission is the backpressure: each graph runs at most ``max_inflight`` requests
 once and turns the next away (429 with Retry-After) instead of queueing it, so no
 backlog grows without bound. While models load, and once draining starts, every
 request gets 503. One request's admission, outcome and release are its ``RunScope``
-(trae_groups/run_scope.py).
+(trae_groups/serving/run_scope.py).
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from typing import Any
 
 import anyio
 
-from trae_groups.admission import NodeTimes, ServiceRate
 from trae_groups.engine.config import EngineConfig
 from trae_groups.graphs.compile import CompiledGraph, compile_graph
 from trae_groups.graphs.executor import GraphExecutor
 from trae_groups.graphs.spec import GraphSpec, PythonNode
-from trae_groups.http_errors import not_found, unavailable
-from trae_groups.metrics import Metrics, NodeInfo
+from trae_groups.serving.admission import NodeTimes, ServiceRate
+from trae_groups.serving.http_errors import not_found, unavailable
+from trae_groups.serving.metrics import Metrics, NodeInfo
 
-log = logging.getLogger("trae_groups.server")
+log = logging.getLogger("trae_groups.server")  # unchanged by the move to serving/
 
 
 @dataclass(frozen=True)
@@ -48,10 +48,10 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0
     admin_token: str | None = None
     # refuse at once (429) what the requests in flight would keep waiting longer than
-    # this, for graphs without a timeout of their own (trae_groups/admission.py)
+    # this, for graphs without a timeout of their own (trae_groups/serving/admission.py)
     max_queue_wait_s: float = 30.0
     # refuse at once (503) a request whose graph drops late work when the estimate says
-    # it cannot make its deadline (trae_groups/admission.py); False admits it to miss
+    # it cannot make its deadline (trae_groups/serving/admission.py); False admits it to miss
     deadline_admission: bool = True
     # an OpenAI request (queue, prompt, generation) ends with 504 past this; a graph's
     # requests have the graph's timeout
@@ -59,7 +59,7 @@ class ServerConfig:
     log_level: str = "info"
     access_log: bool = True  # uvicorn's line per request, at log_level info
     freeze_gc: bool = True  # models loaded: gc.freeze() the heap (graphs.runtime.settle_heap)
-    # slow clients (trae_groups/http_protocol.py): 408 past these, 503 past the cap
+    # slow clients (trae_groups/serving/http_protocol.py): 408 past these, 503 past the cap
     header_timeout_s: float = 10.0  # a request's headers, from its first byte
     body_timeout_s: float = 30.0  # its body, from its headers
     keep_alive_s: float = 5.0  # an idle connection between requests
@@ -289,7 +289,7 @@ class AppState:
             raise unavailable(message or "models are loading", retry, type="NotReady")
 
     def entered(self, served: ServedGraph) -> None:
-        """One more request in flight (admitted by its RunScope, trae_groups/run_scope.py)."""
+        """One more request in flight (admitted by its RunScope, trae_groups/serving/run_scope.py)."""
         self.inflight += 1
         self.metrics.inflight.labels(served.name).inc()
 

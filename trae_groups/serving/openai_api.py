@@ -19,7 +19,7 @@ What ``model`` names (GET /v1/models lists every id):
 
 Requests count against the named graph's in-flight limit. Completions take an LLM
 only, embeddings an ``embed`` model only. Structured outputs (``response_format``,
-``guided_*``, tools) are in trae_groups/openai_structured.py. Unsupported options
+``guided_*``, tools) are in trae_groups/serving/openai_structured.py. Unsupported options
 (``n`` > 1, penalties, logprobs, echo) are a 422 that names the field, never silently
 ignored; unknown fields are ignored, as OpenAI does.
 """
@@ -41,7 +41,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from trae_groups.app_state import AppState, ServedGraph
 from trae_groups.engine.constraints import Constraint
 from trae_groups.engine.deadlines import tightest
 from trae_groups.engine.errors import DeadlineExceeded
@@ -60,15 +59,16 @@ from trae_groups.graphs.errors import first_error
 from trae_groups.graphs.executor import RunResult
 from trae_groups.graphs.spec import GenerateNode, GraphSpec
 from trae_groups.graphs.types import sampling_field
-from trae_groups.http_errors import HTTPError, bad_request, error_body, not_found
-from trae_groups.http_io import Emit, header_deadline, read_json, sse, until_disconnect
-from trae_groups.openai_structured import (
+from trae_groups.serving.app_state import AppState, ServedGraph
+from trae_groups.serving.http_errors import HTTPError, bad_request, error_body, not_found
+from trae_groups.serving.http_io import Emit, header_deadline, read_json, sse, until_disconnect
+from trae_groups.serving.openai_structured import (
     Structured,
     ToolFields,
     tool_call_constraint,
     tool_calls,
 )
-from trae_groups.run_scope import CLIENT_GONE, RunScope
+from trae_groups.serving.run_scope import CLIENT_GONE, RunScope
 
 # ---------------------------------------------------------------- request bodies
 
@@ -107,7 +107,7 @@ class StreamOptions(_Body):
 class _Sampling(Structured):
     """The sampling fields: ranges, defaults and meanings are the engine's
     (engine/sampling.py). ``max_tokens`` null means that default. Structured-output
-    fields come from trae_groups/openai_structured.py."""
+    fields come from trae_groups/serving/openai_structured.py."""
 
     model: str
     max_tokens: int | None = sampling_field("max_tokens", None)
