@@ -8,6 +8,7 @@ A streamed run sends ``node_started``, ``node_finished``, ``node_skipped`` and
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -97,7 +98,7 @@ async def run_graph(request: Request) -> Response:
         return ResultResponse(result_body(result), headers=headers)
 
 
-def _graph_events(run: RunScope, prepared: Prepared):
+def _graph_events(run: RunScope, prepared: Prepared) -> Callable[[Emit], Awaitable[None]]:
     """The SSE producer of one streamed run: node events and tokens, result, done."""
 
     async def produce(emit: Emit) -> None:

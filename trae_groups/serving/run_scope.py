@@ -181,7 +181,9 @@ class RunScope:
             if code == 200 and not self.graph:  # a model call ran to its result
                 self.served.rate.completed_one()
 
-    def _record_graph(self, code: int, result: RunResult | None, error: BaseException | None):
+    def _record_graph(
+        self, code: int, result: RunResult | None, error: BaseException | None
+    ) -> None:
         """A graph run's outcome: requests, errors, node outcomes, deadline misses and
         goodput in metrics; a result also teaches the service rate and node times."""
         metrics, served, name = self.state.metrics, self.served, self.served.name
