@@ -41,7 +41,7 @@ import graph as bench_graph
 import peers
 
 from trae_groups.engine import EngineConfig
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 TIGHT, LOOSE = 2.0, 6.0  # deadlines, in multiples of one request's latency alone
 CLIENTS = 64  # closed-loop clients that measure capacity (enough to fill the batches)

@@ -1,4 +1,4 @@
-"""Admission by capacity (trae_groups/admission.py): a burst beyond what a graph can
+"""Admission by capacity (trae_groups/serving/admission.py): a burst beyond what a graph can
 answer within its time limit is refused at once with 429 and Retry-After, instead of
 queueing until it times out."""
 
@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from conftest import node_module
-from trae_groups import admission
-from trae_groups.admission import ServiceRate, overloaded
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving import admission
+from trae_groups.serving.admission import ServiceRate, overloaded
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 MODULE = "admission_test_nodes"
 SOURCE = '''

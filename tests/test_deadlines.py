@@ -12,7 +12,6 @@ import httpx
 import pytest
 
 from conftest import build_encoder, node_module
-from trae_groups.admission import NodeTimes, ServiceRate, unreachable
 from trae_groups.dsl import ModelGroup
 from trae_groups.engine.batcher import DynamicBatcher
 from trae_groups.engine.config import EngineConfig
@@ -28,7 +27,8 @@ from trae_groups.engine.weights import WeightStore
 from trae_groups.engine.worker import Priority
 from trae_groups.graphs.errors import GraphValidationError
 from trae_groups.graphs.loader import load_graph_text
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving.admission import NodeTimes, ServiceRate, unreachable
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 FAR = 1e12  # an epoch time that never comes
 

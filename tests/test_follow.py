@@ -339,7 +339,7 @@ def test_over_http_a_cut_ends_the_event_stream_and_the_openai_stream(dirs, tmp_p
     import httpx
     import openai
 
-    from trae_groups.server import ServerConfig, ServerThread, create_app
+    from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
     path = tmp_path / "guarded.yaml"
     path.write_text(GUARDED_CHAT.format(dialog=dirs["dialog"]))

@@ -20,7 +20,7 @@ from schemathesis import GenerationMode
 
 from conftest import build_encoder, build_llm
 from trae_groups.engine import EngineConfig
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 SUPPORT = """
 name: support

@@ -216,7 +216,7 @@ TOKEN = "lora-admin-token"
 
 @pytest.fixture(scope="module")
 def lora_server(llama_dir, loras, tmp_path_factory):
-    from trae_groups.server import ServerConfig, ServerThread, create_app
+    from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
     graph = tmp_path_factory.mktemp("lora-server") / "lora.yaml"
     graph.write_text(f"""

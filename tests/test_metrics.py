@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import build_encoder, build_llm
 from trae_groups.engine import EngineConfig
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 SUPPORT = """
 name: support
@@ -238,3 +238,74 @@ def test_each_app_has_its_own_registry(server):
     text = other.state.trae.metrics.render().decode()
     assert "trae_ready 0.0" in text  # not started: no models, not ready
     assert not any(name.startswith("trae_") for name in REGISTRY._names_to_collectors)
+
+
+# ---------------------------------------------------------------- one run scope per request
+# trae_groups/serving/run_scope.py: every admitted request records exactly one outcome, whichever
+# way it ends, and is released.
+
+
+def settled(http: httpx.Client, server, before: dict, graphs: dict[str, int]) -> dict:
+    """Scrape once every graph has recorded ``graphs[name]`` more requests (any code)
+    and nothing is in flight (a stream is released after its last bytes)."""
+    for _ in range(3000):  # bounded: the server ends a stream's scope right after it
+        after = scrape(http)
+        counts = {
+            graph: sum(
+                v - before.get((name, labels), 0.0)
+                for (name, labels), v in after.items()
+                if name == "trae_graph_requests_total" and dict(labels)["graph"] == graph
+            )
+            for graph in graphs
+        }
+        if counts == graphs and server.state.inflight == 0:
+            return after
+    raise AssertionError(f"gave up waiting for {graphs} outcomes; saw {counts}")
+
+
+def test_every_way_a_request_ends_records_one_outcome_and_releases_it(http, server):
+    before = scrape(http)
+    text = {"inputs": {"text": TEXT}}
+    assert http.post("/v1/graphs/support", json=text).status_code == 200
+    assert http.post("/v1/graphs/support", json={"inputs": {}}).status_code == 422
+    assert http.post("/v1/graphs/fails", json={"inputs": {"text": "x"}}).status_code == 500
+    streamed = http.post("/v1/graphs/support", json={**text, "stream": True}).text
+    assert "event: result" in streamed and streamed.endswith("event: done\ndata: {}\n\n")
+    failed = http.post("/v1/graphs/fails", json={"inputs": {"text": "x"}, "stream": True}).text
+    assert '"status":500' in failed and "event: done" in failed
+    completion = {"model": "support/dialog", "prompt": "hello", "max_tokens": 2}
+    assert http.post("/v1/completions", json=completion).status_code == 200
+    refused = {**completion, "prompt": [100000]}  # outside the vocabulary: 422 at submit
+    assert http.post("/v1/completions", json=refused).status_code == 422
+    after = settled(http, server, before, {"support": 3, "fails": 2})
+
+    def moved(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("trae_graph_requests_total", graph="support", code="200") == 2
+    assert moved("trae_graph_requests_total", graph="support", code="422") == 1
+    assert moved("trae_graph_requests_total", graph="fails", code="500") == 2
+    assert moved("trae_graph_errors_total", graph="fails", type="NodeError") == 2
+    assert moved("trae_graph_latency_seconds_count", graph="support") == 2
+    for code in ("200", "422"):  # a model call counts on its endpoint, not as a graph run
+        labels = {"endpoint": "completions", "model": "support/dialog", "code": code}
+        assert moved("trae_openai_requests_total", **labels) == 1
+    assert value(after, "trae_graph_inflight_requests", graph="support") == 0
+    assert all(g.inflight == 0 for g in server.state.graphs.values())
+
+
+def test_a_client_that_leaves_a_stream_is_one_outcome_too(http, server):
+    before = scrape(http)
+    body = {"inputs": {"text": TEXT}, "stream": True}
+    with http.stream("POST", "/v1/graphs/support", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                break  # the client leaves after the first event
+    after = settled(http, server, before, {"support": 1})
+    gone = value(after, "trae_graph_requests_total", graph="support", code="499")
+    answered = value(after, "trae_graph_requests_total", graph="support", code="200")
+    before_gone = value(before, "trae_graph_requests_total", graph="support", code="499")
+    before_answered = value(before, "trae_graph_requests_total", graph="support", code="200")
+    # left before the result (499) or after it (200): one of them, never both
+    assert (gone - before_gone) + (answered - before_answered) == 1

@@ -8,7 +8,7 @@ import time
 import httpx
 
 from conftest import node_module
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 MODULE = "metrics_thread_nodes"
 SOURCE = """

@@ -12,7 +12,7 @@ from conftest import build_llm
 from trae_groups.engine import EngineConfig
 from trae_groups.graphs.errors import GraphValidationError
 from trae_groups.graphs.loader import load_graph_text
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 GRAPH = """
 name: capped

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import build_llm
 from trae_groups.engine import EngineConfig
-from trae_groups.openai_api import chat_parts
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving.openai_api import chat_parts
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 CHAT = """
 name: chat

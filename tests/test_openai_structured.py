@@ -16,7 +16,7 @@ import torch
 
 from conftest import build_encoder, build_llm
 from trae_groups.engine import EngineConfig
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 GRAPH = """
 name: shop

@@ -21,8 +21,8 @@ from trae_groups.engine.sampling import BOUNDS, Bound, SamplingParams
 from trae_groups.graphs.errors import GraphValidationError
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.nodes import GenerateParams
-from trae_groups.openai_api import ChatCompletionRequest, CompletionRequest
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving.openai_api import ChatCompletionRequest, CompletionRequest
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 #: Out of range, each just past a limit a user might think is in.
 BAD = {"temperature": 150, "min_p": 1.0, "repetition_penalty": 20, "top_p": 0, "max_tokens": 0}

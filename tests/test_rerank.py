@@ -16,7 +16,7 @@ from trae_groups.engine.errors import RequestError
 from trae_groups.graphs.errors import NodeError
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.runtime import ModelRuntime
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 RERANK = """
 name: search

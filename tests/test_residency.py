@@ -26,8 +26,8 @@ from trae_groups.engine.weights import estimate_bytes
 from trae_groups.graphs.errors import GraphValidationError, NodeError
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.runtime import ModelRuntime
-from trae_groups.http_errors import error_response
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving.http_errors import error_response
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 NAMES = ("a", "b", "c")
 MAX_TOKENS = 6

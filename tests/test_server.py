@@ -23,7 +23,7 @@ import pytest
 
 from conftest import build_encoder, build_llm
 from trae_groups.engine import EngineConfig
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 TOKEN = "test-admin-token"
 NODES_MODULE = "server_test_nodes"

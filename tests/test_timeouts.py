@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 from conftest import node_module
-from trae_groups.server import ServerConfig, ServerThread, create_app
+from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 MODULE = "timeout_test_nodes"
 SOURCE = """

@@ -10,10 +10,10 @@ from pydantic import BaseModel, Field
 
 from conftest import build_llm
 from trae_groups.engine import EngineConfig
-from trae_groups.graph_api import output_schema
 from trae_groups.graphs.errors import GraphValidationError, NodeError
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.runtime import ModelRuntime
+from trae_groups.serving.graph_api import output_schema
 
 GRAPH = """
 name: orders

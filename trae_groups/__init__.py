@@ -20,9 +20,9 @@ _EXPORTS = {
     "LLMEngine": "trae_groups.engine",
     "EngineConfig": "trae_groups.engine",
     "SamplingParams": "trae_groups.engine",
-    "create_app": "trae_groups.server",
-    "serve": "trae_groups.server",
-    "ServerConfig": "trae_groups.server",
+    "create_app": "trae_groups.serving.server",
+    "serve": "trae_groups.serving.server",
+    "ServerConfig": "trae_groups.serving.server",
 }
 
 __all__ = ["__version__", *_EXPORTS]

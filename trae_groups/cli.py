@@ -53,7 +53,7 @@ def _json_arg(text: str) -> Any:
 
 
 def _print_json(data: Any) -> None:
-    from trae_groups.http_io import dumps  # strict JSON: NaN and infinities as null
+    from trae_groups.serving.http_io import dumps  # strict JSON: NaN and infinities as null
 
     sys.stdout.write(dumps(data, indent=2) + "\n")
 
@@ -215,10 +215,10 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from trae_groups.engine.errors import ModelLoadError
-    from trae_groups.graph_api import result_body
     from trae_groups.graphs.errors import GraphError
     from trae_groups.graphs.loader import load_graph
-    from trae_groups.http_errors import error_body
+    from trae_groups.serving.graph_api import result_body
+    from trae_groups.serving.http_errors import error_body
 
     try:  # bad inputs fail before any model loads
         check_inputs(load_graph(args.graph), args.input)
@@ -264,7 +264,7 @@ def check_inputs(spec, inputs: Any) -> None:
 
 async def _run_streamed(executor, inputs: dict, outputs) -> int:
     """Each event as one JSON line; the last one is the result or the error."""
-    from trae_groups.http_io import dumps
+    from trae_groups.serving.http_io import dumps
 
     status = 0
     async for event in executor.stream(inputs, outputs=outputs):
@@ -472,7 +472,7 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from trae_groups.server import ServerConfig, serve
+    from trae_groups.serving.server import ServerConfig, serve
 
     try:  # a flag's value out of range is a usage error, not a traceback
         config = ServerConfig(

@@ -21,7 +21,6 @@ from typing import Any
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from trae_groups.app_state import ServerConfig
 from trae_groups.cluster.engine_group import CHUNK_INTERVAL_S, EngineGroup
 from trae_groups.cluster.ingress import GraphSource, Ingress
 from trae_groups.engine.config import EngineConfig
@@ -29,6 +28,7 @@ from trae_groups.graphs.deploy import GroupSpec
 from trae_groups.graphs.functions import ENV_VAR as ALLOWED_ENV
 from trae_groups.graphs.loader import load_graph
 from trae_groups.graphs.spec import GraphSpec
+from trae_groups.serving.app_state import ServerConfig
 
 log = logging.getLogger("trae_groups.cluster")
 

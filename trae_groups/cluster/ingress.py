@@ -15,7 +15,6 @@ from typing import Any
 
 from ray import serve
 
-from trae_groups.app_state import ServerConfig
 from trae_groups.cluster.board import board
 from trae_groups.cluster.remote import RemoteClient, summed
 from trae_groups.engine.errors import ModelLoadError
@@ -25,7 +24,8 @@ from trae_groups.graphs.executor import GraphExecutor
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.routing import RouteError, VersionedModel, check_split
 from trae_groups.graphs.spec import GraphSpec
-from trae_groups.server import create_app
+from trae_groups.serving.app_state import ServerConfig
+from trae_groups.serving.server import create_app
 
 log = logging.getLogger("trae_groups.cluster")
 #: How long a read of the stats board may take before the last posts stand in.

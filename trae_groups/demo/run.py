@@ -53,7 +53,7 @@ def send_example(url: str, timeout_s: float = 600.0) -> None:
 
 
 def run_demo(host: str = "127.0.0.1", port: int = 8000, example: bool = True) -> int:
-    from trae_groups.server import ServerConfig, serve
+    from trae_groups.serving.server import ServerConfig, serve
 
     try:
         assets = prepare_demo(progress=True)

@@ -8,28 +8,28 @@ A streamed run sends ``node_started``, ``node_finished``, ``node_skipped`` and
 
 from __future__ import annotations
 
-import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from trae_groups.app_state import CLIENT_GONE, AppState, ServedGraph
 from trae_groups.graphs.errors import first_error
-from trae_groups.graphs.executor import RunResult
+from trae_groups.graphs.executor import Prepared, RunResult
 from trae_groups.graphs.nodes import result_schema
 from trae_groups.graphs.spec import GraphSpec
-from trae_groups.http_errors import bad_request, error_body, status_of
-from trae_groups.http_io import (
+from trae_groups.serving.app_state import AppState, ServedGraph
+from trae_groups.serving.http_errors import bad_request, error_body, status_of
+from trae_groups.serving.http_io import (
     Emit,
-    EventStream,
     ResultResponse,
     header_deadline,
     read_json,
     sse,
     until_disconnect,
 )
+from trae_groups.serving.run_scope import CLIENT_GONE, RunScope
 
 
 class RunRequest(BaseModel):
@@ -80,68 +80,46 @@ async def run_graph(request: Request) -> Response:
     served = state.graph(request.path_params["name"])
     body = parse_run_request(await read_json(request, state.config.max_body_bytes))
     deadline = header_deadline(request)
-    ticket = state.admit(served)
-    try:
-        prepared = ticket.executor.prepare(
+    async with RunScope(state, served) as run:
+        prepared = run.prepare(
             body.inputs,
             outputs=body.outputs,
             timeout=body.timeout,
             session=request.headers.get("x-session-id"),
             deadline=deadline,
         )
-        state.admit_deadline(ticket, prepared.deadline)
-    except Exception as exc:
-        ticket.release()
-        state.record(served, time.perf_counter(), None, exc)
-        raise
-    headers = {"X-Request-ID": prepared.request_id}
-    if body.stream:
-        produce = _graph_events(state, served, ticket.executor, prepared)
-        return EventStream(produce, ticket.release, headers)
-    start = time.perf_counter()
-    try:
-        result, _gone = await until_disconnect(
-            request.receive, lambda: ticket.executor.run(prepared)
-        )
-    except Exception as exc:
-        state.record(served, start, None, exc, prepared.deadline)
-        raise
-    finally:
-        ticket.release()
-    state.record(served, start, result, deadline=prepared.deadline)
-    if result is None:
-        return Response(status_code=CLIENT_GONE)
-    return ResultResponse(result_body(result), headers=headers)
+        headers = {"X-Request-ID": prepared.request_id}
+        if body.stream:
+            return run.stream(_graph_events(run, prepared), headers)
+        result, _gone = await until_disconnect(request.receive, lambda: run.executor.run(prepared))
+        if result is None:
+            return Response(status_code=CLIENT_GONE)  # the scope records the 499
+        run.succeeded(result)
+        return ResultResponse(result_body(result), headers=headers)
 
 
-def _graph_events(state: AppState, served: ServedGraph, executor, prepared):
+def _graph_events(run: RunScope, prepared: Prepared) -> Callable[[Emit], Awaitable[None]]:
     """The SSE producer of one streamed run: node events and tokens, result, done."""
 
     async def produce(emit: Emit) -> None:
-        start = time.perf_counter()
         try:
-            async for event in executor.stream(prepared):
+            async for event in run.executor.stream(prepared):
                 if event.type in ("result", "cut"):  # cut: a guard ended the run early
-                    state.record(served, start, event.result, deadline=prepared.deadline)
+                    run.succeeded(event.result)
                     await emit(sse(event.type, result_body(event.result)))
                 elif event.type == "error":
-                    await _error_event(emit, state, served, start, event.error, prepared)
+                    await _error_event(emit, run, event.error)
                 else:
                     await emit(sse(event.type, event.data))
         except Exception as exc:
-            await _error_event(emit, state, served, start, exc, prepared)
-        except BaseException:
-            state.record(served, start, None)  # the client left
-            raise
+            await _error_event(emit, run, exc)
         await emit(sse("done", {}))
 
     return produce
 
 
-async def _error_event(
-    emit: Emit, state: AppState, served, start: float, error, prepared=None
-) -> None:
-    state.record(served, start, None, error, prepared.deadline if prepared else None)
+async def _error_event(emit: Emit, run: RunScope, error: BaseException) -> None:
+    run.failed(error)
     await emit(sse("error", {**error_body(error), "status": status_of(error)}))
 
 

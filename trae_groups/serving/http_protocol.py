@@ -25,8 +25,8 @@ from typing import Any
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-from trae_groups.http_errors import HTTPError, error_body
-from trae_groups.http_io import dumps
+from trae_groups.serving.http_errors import HTTPError, error_body
+from trae_groups.serving.http_io import dumps
 
 MAX_HEADER_BYTES = 64 << 10
 

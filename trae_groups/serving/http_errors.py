@@ -37,7 +37,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 
-from trae_groups.admission import Refusal
 from trae_groups.engine.errors import (
     DeadlineExceeded,
     EngineStopped,
@@ -48,8 +47,9 @@ from trae_groups.engine.errors import (
 from trae_groups.graphs.errors import GraphError, GraphTimeout, GraphValidationError, NodeError
 from trae_groups.graphs.executor import InputError
 from trae_groups.graphs.routing import RouteError
+from trae_groups.serving.admission import Refusal
 
-log = logging.getLogger("trae_groups.server")
+log = logging.getLogger("trae_groups.server")  # unchanged by the move to serving/
 
 _PHRASES = {
     400: "BadRequest",

@@ -20,7 +20,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from trae_groups.http_errors import HTTPError, bad_request, error_body, is_openai_path, too_large
+from trae_groups.serving.http_errors import (
+    HTTPError,
+    bad_request,
+    error_body,
+    is_openai_path,
+    too_large,
+)
 
 T = TypeVar("T")
 

@@ -8,9 +8,9 @@ lists the ids the OpenAI routes take, so clients and property-based tests
 from __future__ import annotations
 
 from trae_groups import __version__
-from trae_groups.app_state import AppState, ServedGraph
-from trae_groups.graph_api import RunRequest, input_schema, output_schema
-from trae_groups.openai_api import (
+from trae_groups.serving.app_state import AppState, ServedGraph
+from trae_groups.serving.graph_api import RunRequest, input_schema, output_schema
+from trae_groups.serving.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     EmbeddingRequest,

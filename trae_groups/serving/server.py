@@ -35,25 +35,25 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from trae_groups import graph_api, openai_api
-from trae_groups.app_state import AppState, ServerConfig
 from trae_groups.graphs.loader import load_graph
 from trae_groups.graphs.routing import RouteError, check_split, parse_split, with_weight
 from trae_groups.graphs.spec import GraphSpec
 from trae_groups.graphs.types import slug
-from trae_groups.http_errors import (
+from trae_groups.serving import graph_api, openai_api
+from trae_groups.serving.app_state import AppState, ServerConfig
+from trae_groups.serving.http_errors import (
     HTTPError,
     bad_request,
     error_response,
     is_openai_path,
     not_found,
 )
-from trae_groups.http_io import end_with_grace, read_json
-from trae_groups.http_protocol import protocol_class
-from trae_groups.metrics import CONTENT_TYPE
-from trae_groups.openapi import openapi_document
+from trae_groups.serving.http_io import end_with_grace, read_json
+from trae_groups.serving.http_protocol import protocol_class
+from trae_groups.serving.metrics import CONTENT_TYPE
+from trae_groups.serving.openapi import openapi_document
 
-log = logging.getLogger("trae_groups.server")
+log = logging.getLogger("trae_groups.server")  # unchanged by the move to serving/
 
 
 async def health(request: Request) -> Response:

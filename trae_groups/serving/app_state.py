@@ -1,9 +1,11 @@
-"""What the routes of one app share: the served graphs, the models, admissions.
+"""What the routes of one app share: the served graphs, the models, readiness, and
+the count of requests in flight (what draining waits for).
 
 Admission is the backpressure: each graph runs at most ``max_inflight`` requests at
 once and turns the next away (429 with Retry-After) instead of queueing it, so no
 backlog grows without bound. While models load, and once draining starts, every
-request gets 503.
+request gets 503. One request's admission, outcome and release are its ``RunScope``
+(trae_groups/serving/run_scope.py).
 """
 
 from __future__ import annotations
@@ -20,26 +22,15 @@ from typing import Any
 
 import anyio
 
-from trae_groups.admission import NodeTimes, ServiceRate, overloaded, unreachable
 from trae_groups.engine.config import EngineConfig
-from trae_groups.engine.deadlines import Deadline
 from trae_groups.graphs.compile import CompiledGraph, compile_graph
-from trae_groups.graphs.errors import GraphTimeout, NodeError
-from trae_groups.graphs.executor import GraphExecutor, RunResult
+from trae_groups.graphs.executor import GraphExecutor
 from trae_groups.graphs.spec import GraphSpec, PythonNode
-from trae_groups.http_errors import (
-    deadline_unreachable,
-    error_body,
-    not_found,
-    overloaded_error,
-    queue_full,
-    status_of,
-    unavailable,
-)
-from trae_groups.metrics import Metrics, NodeInfo
+from trae_groups.serving.admission import NodeTimes, ServiceRate
+from trae_groups.serving.http_errors import not_found, unavailable
+from trae_groups.serving.metrics import Metrics, NodeInfo
 
-log = logging.getLogger("trae_groups.server")
-CLIENT_GONE = 499  # the status metrics record when the client left first (nginx's)
+log = logging.getLogger("trae_groups.server")  # unchanged by the move to serving/
 
 
 @dataclass(frozen=True)
@@ -57,10 +48,10 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0
     admin_token: str | None = None
     # refuse at once (429) what the requests in flight would keep waiting longer than
-    # this, for graphs without a timeout of their own (trae_groups/admission.py)
+    # this, for graphs without a timeout of their own (trae_groups/serving/admission.py)
     max_queue_wait_s: float = 30.0
     # refuse at once (503) a request whose graph drops late work when the estimate says
-    # it cannot make its deadline (trae_groups/admission.py); False admits it to miss
+    # it cannot make its deadline (trae_groups/serving/admission.py); False admits it to miss
     deadline_admission: bool = True
     # an OpenAI request (queue, prompt, generation) ends with 504 past this; a graph's
     # requests have the graph's timeout
@@ -68,7 +59,7 @@ class ServerConfig:
     log_level: str = "info"
     access_log: bool = True  # uvicorn's line per request, at log_level info
     freeze_gc: bool = True  # models loaded: gc.freeze() the heap (graphs.runtime.settle_heap)
-    # slow clients (trae_groups/http_protocol.py): 408 past these, 503 past the cap
+    # slow clients (trae_groups/serving/http_protocol.py): 408 past these, 503 past the cap
     header_timeout_s: float = 10.0  # a request's headers, from its first byte
     body_timeout_s: float = 30.0  # its body, from its headers
     keep_alive_s: float = 5.0  # an idle connection between requests
@@ -171,25 +162,8 @@ def node_infos(executor: GraphExecutor) -> dict[str, NodeInfo]:
     return infos
 
 
-class Ticket:
-    """One admitted request, pinned to the executor it was admitted on;
-    ``release()`` once it is over (idempotent)."""
-
-    def __init__(self, state: AppState, served: ServedGraph):
-        self._state = state
-        self.served = served
-        self.executor = served.enter()
-        self._released = False
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.served.leave(self.executor)
-            self._state.released(self.served)
-
-
 class AppState:
-    """Everything the routes share: graphs, models, admissions, metrics."""
+    """Everything the routes share: graphs, models, readiness, in-flight count, metrics."""
 
     def __init__(
         self,
@@ -314,34 +288,10 @@ class AppState:
             message = f"models failed to load: {self.load_error}" if self.load_error else None
             raise unavailable(message or "models are loading", retry, type="NotReady")
 
-    def admit(self, served: ServedGraph) -> Ticket:
-        """A ticket for one request, or 503 (not ready, draining) / 429 (full)."""
-        self.require_ready(served.name)
-        if served.inflight >= served.limit:
-            self.metrics.observe_rejected(served.name, "queue_full")
-            raise queue_full(served.name, served.limit, max(1, self.config.retry_after_s))
-        budget = served.spec.timeout or self.config.max_queue_wait_s
-        retry = overloaded(served.rate, served.inflight, budget)
-        if retry is not None:
-            self.metrics.observe_rejected(served.name, "overloaded")
-            raise overloaded_error(served.name, budget, retry)
+    def entered(self, served: ServedGraph) -> None:
+        """One more request in flight (admitted by its RunScope, trae_groups/serving/run_scope.py)."""
         self.inflight += 1
         self.metrics.inflight.labels(served.name).inc()
-        return Ticket(self, served)
-
-    def admit_deadline(self, ticket: Ticket, deadline: Deadline | None) -> None:
-        """Refuse an admitted request (503 with Retry-After and the estimate) when its
-        graph drops late work and the estimate says it cannot make its deadline
-        (trae_groups/admission.py). The caller releases the ticket on refusal."""
-        if deadline is None or not deadline.drop or not self.config.deadline_admission:
-            return
-        served = ticket.served
-        graph = ticket.executor.graph
-        path = served.node_times.critical_path(graph.order, graph.parents)
-        refusal = unreachable(served.rate, served.inflight, path, deadline.remaining())
-        if refusal is not None:
-            self.metrics.observe_rejected(served.name, "deadline")
-            raise deadline_unreachable(served.name, refusal)
 
     def released(self, served: ServedGraph) -> None:
         self.inflight -= 1
@@ -363,57 +313,3 @@ class AppState:
             return False
         finally:
             self._idle.remove(idle)
-
-    # -- bookkeeping of one run --------------------------------------------------------
-    def record(
-        self,
-        served: ServedGraph,
-        start: float,
-        result: RunResult | None,
-        error=None,
-        deadline: Deadline | None = None,
-    ) -> None:
-        """One run's outcome in metrics; ``deadline`` (the request's) for misses and goodput."""
-        name = served.name
-        if error is not None:
-            self.metrics.observe_request(name, status_of(error))
-            self.metrics.observe_error(name, error_body(error)["error"]["type"])
-            if isinstance(error, NodeError):
-                self.metrics.node_errors.labels(name, error.node).inc()
-            if deadline is not None and isinstance(error, GraphTimeout) and error.node is None:
-                self.metrics.observe_deadline_miss(name, "dropped", error.dropped)
-        elif result is None:
-            self.metrics.observe_request(name, CLIENT_GONE)
-        else:
-            served.rate.completed_one()
-            for node, record in result.nodes.items():
-                if record.status == "ok" and record.ms is not None:
-                    served.node_times.observe(node, record.ms / 1000.0)
-            self.metrics.observe_request(name, 200, time.perf_counter() - start)
-            self.metrics.observe_nodes(name, result.nodes, start, node_versions(served, result))
-            self._observe_in_time(name, result, deadline)
-
-    def _observe_in_time(self, name: str, result: RunResult, deadline: Deadline | None) -> None:
-        """An answer is goodput when it came within its deadline (always, without one);
-        a late one (``on_deadline: finish``) is a miss, as are its nodes that ended late."""
-        if deadline is None or not deadline.passed():
-            self.metrics.goodput.labels(name).inc()
-            return
-        # the deadline on the run's perf_counter clock, to compare with node records
-        due = time.perf_counter() + deadline.remaining()
-        late = tuple(
-            n for n, r in result.nodes.items() if r.finished is not None and r.finished > due
-        )
-        self.metrics.observe_deadline_miss(name, "late", late)
-
-
-def node_versions(served: ServedGraph, result: RunResult) -> dict[str, str]:
-    """The model version each node of a run used: the run's pick for a model with
-    several versions, else the model's only one ("default" for a plain ``source:``)."""
-    versions = {}
-    for node in result.nodes:
-        model = getattr(served.spec.nodes.get(node), "model", None)
-        if model is not None and model in served.spec.models:
-            only = next(iter(served.spec.models[model].sources))
-            versions[node] = result.versions.get(model, only)
-    return versions

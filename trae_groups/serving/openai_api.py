@@ -19,7 +19,7 @@ What ``model`` names (GET /v1/models lists every id):
 
 Requests count against the named graph's in-flight limit. Completions take an LLM
 only, embeddings an ``embed`` model only. Structured outputs (``response_format``,
-``guided_*``, tools) are in trae_groups/openai_structured.py. Unsupported options
+``guided_*``, tools) are in trae_groups/serving/openai_structured.py. Unsupported options
 (``n`` > 1, penalties, logprobs, echo) are a 422 that names the field, never silently
 ignored; unknown fields are ignored, as OpenAI does.
 """
@@ -41,7 +41,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from trae_groups.app_state import CLIENT_GONE, AppState, ServedGraph
 from trae_groups.engine.constraints import Constraint
 from trae_groups.engine.deadlines import tightest
 from trae_groups.engine.errors import DeadlineExceeded
@@ -56,24 +55,20 @@ from trae_groups.engine.protocol import (
 )
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.worker import Priority
-from trae_groups.graphs.errors import GraphError, first_error
+from trae_groups.graphs.errors import first_error
+from trae_groups.graphs.executor import RunResult
 from trae_groups.graphs.spec import GenerateNode, GraphSpec
 from trae_groups.graphs.types import sampling_field
-from trae_groups.http_errors import HTTPError, bad_request, error_body, not_found, status_of
-from trae_groups.http_io import (
-    Emit,
-    EventStream,
-    header_deadline,
-    read_json,
-    sse,
-    until_disconnect,
-)
-from trae_groups.openai_structured import (
+from trae_groups.serving.app_state import AppState, ServedGraph
+from trae_groups.serving.http_errors import HTTPError, bad_request, error_body, not_found
+from trae_groups.serving.http_io import Emit, header_deadline, read_json, sse, until_disconnect
+from trae_groups.serving.openai_structured import (
     Structured,
     ToolFields,
     tool_call_constraint,
     tool_calls,
 )
+from trae_groups.serving.run_scope import CLIENT_GONE, RunScope
 
 # ---------------------------------------------------------------- request bodies
 
@@ -112,7 +107,7 @@ class StreamOptions(_Body):
 class _Sampling(Structured):
     """The sampling fields: ranges, defaults and meanings are the engine's
     (engine/sampling.py). ``max_tokens`` null means that default. Structured-output
-    fields come from trae_groups/openai_structured.py."""
+    fields come from trae_groups/serving/openai_structured.py."""
 
     model: str
     max_tokens: int | None = sampling_field("max_tokens", None)
@@ -344,28 +339,21 @@ async def embeddings(request: Request) -> Response:
         raise HTTPError(422, f"'{target.id}' is not an embedding model", field="model")
     texts = body.texts()
     options = EncodeOptions(pooling=body.pooling, normalize=body.normalize)
-    ticket = state.admit(target.served)
     request_id = new_request_id("embd")
-    try:
-        client = _version(ticket.executor.models[target.model], body.user)
+    async with _scope(state, target, "embeddings") as run:
+        client = _version(run.executor.models[target.model], body.user)
 
-        async def run() -> list[dict]:
+        async def encode_all() -> list[dict]:
             calls = [
                 client.encode(EncodeRequest(text, f"{request_id}/{i}", options))
                 for i, text in enumerate(texts)
             ]
             return await asyncio.gather(*calls)
 
-        results, gone = await until_disconnect(request.receive, run)
-    except Exception as exc:
-        _count(state, "embeddings", target, status_of(exc))
-        raise
-    finally:
-        ticket.release()
-    if gone:
-        _count(state, "embeddings", target, CLIENT_GONE)
-        return Response(status_code=CLIENT_GONE)
-    _count(state, "embeddings", target, 200)
+        results, gone = await until_disconnect(request.receive, encode_all)
+        if gone:
+            return Response(status_code=CLIENT_GONE)  # the scope records the 499
+        run.succeeded()
     encode = _base64_floats if body.encoding_format == "base64" else list
     data = [
         {"object": "embedding", "index": i, "embedding": encode(r["vector"])}
@@ -443,8 +431,10 @@ OnPiece = Callable[[_Piece], Awaitable[None]]
 class _LLMCall:
     """A prompt (or chat messages) on one LLM, its chunks turned into pieces."""
 
-    def __init__(self, state: AppState, target: Target, client: ModelClient, request):
-        self.state, self.target, self.client = state, target, client
+    result: RunResult | None = None  # a model call has no graph run
+
+    def __init__(self, target: Target, client: ModelClient, request: GenerateRequest):
+        self.target, self.client = target, client
         self.request_id = request.request_id
         self.stream = client.generate(request)  # a RequestError here is a 422
         self._first: GenerationChunk | None = None
@@ -461,12 +451,13 @@ class _LLMCall:
         tools=None,
         due: tuple[float | None, float | None] = (None, None),
     ):
-        """Submits when called with the executor the request was admitted on. ``due``:
-        the body's ``timeout`` and the X-Request-Deadline header's time; the tightest is
-        the request's deadline, dropped or finished as the target's graph says."""
+        """Submits when called with the request's run scope, on the executor it was
+        admitted on. ``due``: the body's ``timeout`` and the X-Request-Deadline header's
+        time; the tightest is the request's deadline, dropped or finished as the target's
+        graph says."""
 
-        def start(state: AppState, executor: Any) -> _LLMCall:
-            model = executor.models[target.model]
+        def start(run: RunScope) -> _LLMCall:
+            model = run.executor.models[target.model]
             client = model.clients[target.version] if target.version else _version(model, user)
             drop = target.served.spec.on_deadline == "drop"
             request = GenerateRequest(
@@ -479,7 +470,7 @@ class _LLMCall:
                 tools=tuple(tools) if tools else None,
                 adapter=target.adapter,
             )
-            return cls(state, target, client, request)
+            return cls(target, client, request)
 
         return start
 
@@ -515,23 +506,23 @@ class _GraphCall:
 
     def __init__(
         self,
-        state: AppState,
         target: Target,
-        executor: Any,
+        run: RunScope,
         messages: list[dict],
         user=None,
         due: tuple[float | None, float | None] = (None, None),
     ):
-        self.state, self.target, self.executor = state, target, executor
-        self.prepared = executor.prepare(
+        self.target, self.executor = target, run.executor
+        self.prepared = run.prepare(
             {target.messages_input: messages},
             outputs=[target.output],
             request_id=new_request_id("chatcmpl"),
             session=user,
             timeout=due[0],
             deadline=due[1],
-        )  # an InputError here is a 422
+        )  # an InputError here is a 422; past the deadline estimate, 503
         self.request_id = self.prepared.request_id
+        self.result: RunResult | None = None  # the graph run's, once it ends
 
     @classmethod
     def factory(
@@ -541,7 +532,7 @@ class _GraphCall:
         user: str | None = None,
         due: tuple[float | None, float | None] = (None, None),
     ):
-        return lambda state, executor: cls(state, target, executor, messages, user, due)
+        return lambda run: cls(target, run, messages, user, due)
 
     async def open(self) -> None:
         pass  # graph errors come as the run's own events
@@ -550,29 +541,17 @@ class _GraphCall:
         pass  # the run lives inside run(): leaving it cancels the graph run
 
     async def run(self, on_piece: OnPiece) -> None:
-        served, node = self.target.served, self.target.node
-        deadline = self.prepared.deadline
-        start = time.perf_counter()
+        """The run's outcome is recorded by the request's scope (``self.result``)."""
+        node = self.target.node
         streamed: list[str] = []
-        try:
-            async for event in self.executor.stream(self.prepared):
-                if event.type == "token" and event.data.get("node") == node:
-                    streamed.append(event.data.get("text", ""))
-                    await on_piece(_Piece(streamed[-1]))
-                elif event.type == "error":
-                    self.state.record(served, start, None, event.error, deadline)
-                    raise event.error
-                elif event.type in ("result", "cut"):
-                    result = event.result
-        except GraphError:
-            raise  # recorded above
-        except Exception as exc:
-            self.state.record(served, start, None, exc, deadline)
-            raise
-        except BaseException:
-            self.state.record(served, start, None)  # the client left
-            raise
-        self.state.record(served, start, result, deadline=deadline)
+        async for event in self.executor.stream(self.prepared):
+            if event.type == "token" and event.data.get("node") == node:
+                streamed.append(event.data.get("text", ""))
+                await on_piece(_Piece(streamed[-1]))
+            elif event.type == "error":
+                raise event.error
+            elif event.type in ("result", "cut"):
+                self.result = result = event.result
         text, sent = result.outputs.get(self.target.output) or "", "".join(streamed)
         rest = text[len(sent) :] if text.startswith(sent) else ""
         usage = result.nodes[node].usage
@@ -590,45 +569,33 @@ class _GraphCall:
 # ---------------------------------------------------------------- responses
 
 
+def _scope(state: AppState, target: Target, endpoint: str) -> RunScope:
+    """The run scope of one OpenAI request: a chat graph's outcome is its graph's too."""
+    return RunScope(
+        state, target.served, graph=target.model is None, endpoint=(endpoint, target.id)
+    )
+
+
 async def _respond(
     request: Request, state: AppState, target, body, start, *, chat: bool, tools=None
 ):
     """Admit, start the call, and answer: one JSON object, or SSE chunks then [DONE]."""
-    endpoint = "chat" if chat else "completions"
-    ticket = state.admit(target.served)
-    limit = _Limit(state.config.openai_timeout_s)
-    try:
-        call = start(state, ticket.executor)
-        if isinstance(call, _GraphCall):  # refused now if its graph cannot make the deadline
-            state.admit_deadline(ticket, call.prepared.deadline)
+    async with _scope(state, target, "chat" if chat else "completions") as run:
+        limit = _Limit(state.config.openai_timeout_s)
+        call = start(run)
+        run.closing(call.close)
         await limit.within(call.open)
-    except Exception as exc:
-        ticket.release()
-        _count(state, endpoint, target, status_of(exc))
-        raise
-    shape = _Shape(call.request_id, target.id, int(time.time()), chat, tuple(tools or ()))
-
-    def close() -> None:
-        call.close()
-        ticket.release()
-
-    if body.stream:
-        usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStream(_stream(state, call, shape, endpoint, usage, limit), close)
-    try:
+        shape = _Shape(call.request_id, target.id, int(time.time()), chat, tuple(tools or ()))
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return run.stream(_stream(run, call, shape, usage, limit))
         pieces, gone = await until_disconnect(
             request.receive, lambda: limit.within(lambda: _collect(call))
         )
-    except Exception as exc:
-        _count(state, endpoint, target, status_of(exc))
-        raise
-    finally:
-        close()
-    if gone:
-        _count(state, endpoint, target, CLIENT_GONE)
-        return Response(status_code=CLIENT_GONE)
-    _count(state, endpoint, target, 200)
-    return JSONResponse(shape.whole(pieces))
+        if gone:
+            return Response(status_code=CLIENT_GONE)  # the scope records the 499
+        run.succeeded(call.result)
+        return JSONResponse(shape.whole(pieces))
 
 
 class _Limit:
@@ -649,12 +616,6 @@ class _Limit:
         )
 
 
-def _count(state: AppState, endpoint: str, target: Target, code: int) -> None:
-    state.metrics.openai_requests.labels(endpoint, target.id, str(code)).inc()
-    if code == 200 and target.model is not None:  # graph calls are counted by record()
-        target.served.rate.completed_one()
-
-
 async def _collect(call) -> list[_Piece]:
     pieces: list[_Piece] = []
 
@@ -665,9 +626,7 @@ async def _collect(call) -> list[_Piece]:
     return pieces
 
 
-def _stream(
-    state: AppState, call, shape: _Shape, endpoint: str, include_usage: bool, limit: _Limit
-):
+def _stream(run: RunScope, call, shape: _Shape, include_usage: bool, limit: _Limit):
     async def produce(emit: Emit) -> None:
         last = _Piece()
         held: list[str] = []  # with tools, the reply is held until it is known to be a call
@@ -695,14 +654,11 @@ def _stream(
             await emit(sse(None, shape.chunk(None, finish)))
             if include_usage:
                 await emit(sse(None, {**shape.chunk(None), "choices": [], "usage": _usage(last)}))
-            _count(state, endpoint, call.target, 200)
+            run.succeeded(call.result)
         except Exception as exc:
-            _count(state, endpoint, call.target, status_of(exc))
+            run.failed(exc)
             await emit(sse(None, error_body(exc, openai=True)))
-        except BaseException:  # the client left mid-stream (the run is cancelled)
-            _count(state, endpoint, call.target, CLIENT_GONE)
-            raise
-        await emit(sse(None, "[DONE]"))
+        await emit(sse(None, "[DONE]"))  # the client leaving mid-stream: the scope's 499
 
     return produce
 

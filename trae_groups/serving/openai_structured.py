@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trae_groups.engine.constraints import Constraint
 from trae_groups.engine.errors import RequestError
-from trae_groups.http_errors import HTTPError
+from trae_groups.serving.http_errors import HTTPError
 
 
 class _Body(BaseModel):
