@@ -43,7 +43,7 @@ from starlette.routing import Route
 
 from trae_groups.app_state import CLIENT_GONE, AppState, ServedGraph
 from trae_groups.engine.constraints import Constraint
-from trae_groups.engine.deadlines import tightest
+from trae_groups.engine.deadlines import Priority, tightest
 from trae_groups.engine.errors import DeadlineExceeded
 from trae_groups.engine.protocol import (
     EncodeOptions,
@@ -55,7 +55,6 @@ from trae_groups.engine.protocol import (
     new_request_id,
 )
 from trae_groups.engine.sampling import SamplingParams
-from trae_groups.engine.worker import Priority
 from trae_groups.graphs.errors import GraphError, first_error
 from trae_groups.graphs.spec import GenerateNode, GraphSpec
 from trae_groups.graphs.types import sampling_field
