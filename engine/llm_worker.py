@@ -108,7 +108,7 @@ class LLMWorker(Worker):
         RequestError before any work is done."""
         params, request_id, adapter = request.params, request.request_id, request.adapter
         salt = self._adapter_salt(adapter)
-        tokens = self.encode(self.prompt_tokens(request))
+        tokens = self.encode(self.prompt_tokens(request))  # still text: no tokenizer, refused
         if not tokens:
             raise RequestError("prompt", "is empty")
         vocab = self.model.config.get_text_config().vocab_size
