@@ -1,7 +1,8 @@
 """The engine: memory pool, weight store, workers, scheduler, runners, sampling."""
 
 from trae_groups.engine.config import EngineConfig
-from trae_groups.engine.engine import LLMEngine, OutputStream
+from trae_groups.engine.deadlines import Priority
+from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.errors import (
     EngineError,
     EngineStopped,
@@ -10,9 +11,10 @@ from trae_groups.engine.errors import (
     RequestError,
 )
 from trae_groups.engine.memory_pool import KVLayout, MemoryPool, PoolStats
+from trae_groups.engine.outputs import OutputStream
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.sequence import RequestOutput
-from trae_groups.engine.worker import Priority, Urgency, Worker
+from trae_groups.engine.worker import Urgency, Worker
 
 __all__ = [
     "EngineConfig",

@@ -20,6 +20,7 @@ import torch
 
 from trae_groups.engine import accuracy_gate
 from trae_groups.engine.hardware import Hardware
+from trae_groups.engine.tasks import generates
 from trae_groups.engine.weights import LoadedModel, WeightStore
 
 log = logging.getLogger("trae_groups.engine")
@@ -119,6 +120,6 @@ def _gate(reference: LoadedModel, candidate: LoadedModel, task: str, bound: floa
     if eval_set and task == "classify":
         limit = reference.max_length
         return accuracy_gate.check_classifier(ref, cand, tok, eval_set, bound, max_length=limit)
-    if task == "generate":
+    if generates(task):
         return accuracy_gate.check_llm(ref, cand, tok, bound, max_length=reference.max_length)
     return accuracy_gate.check_encoder(ref, cand, tok, task, bound, max_length=reference.max_length)

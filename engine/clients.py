@@ -14,9 +14,9 @@ from typing import Any
 
 from trae_groups.engine import chat
 from trae_groups.engine.encoder_worker import EncoderWorker
-from trae_groups.engine.engine import OutputStream
 from trae_groups.engine.errors import EngineStopped, RequestError
 from trae_groups.engine.llm_worker import LLMWorker
+from trae_groups.engine.outputs import OutputStream
 from trae_groups.engine.protocol import (
     EncodeRequest,
     GenerateRequest,
@@ -64,6 +64,12 @@ PREFIX_HOLDBACK = 4
 _PREFIX_PARAMS = SamplingParams(max_tokens=1)
 
 
+def _with_prompt(request: GenerateRequest, tokens: list[int] | str) -> GenerateRequest:
+    """The request with its prompt already made (token ids; text the model will refuse)."""
+    prompt = tokens if isinstance(tokens, str) else tuple(tokens)
+    return dataclasses.replace(request, prompt=prompt, messages=None, tools=None)
+
+
 def _chars(request: GenerateRequest) -> int:
     if request.messages is not None:
         return sum(len(m.get("content") or "") for m in request.messages)
@@ -93,14 +99,14 @@ class LocalLLM:
         if request.prefix_only:
             return self._prefix(request)
         if _chars(request) <= OFFLOAD_CHARS:
-            return chunks(self._submit(self._tokens(request), request))
+            return chunks(self.stream(request))
         return self._tokenized_off_the_loop(request)
 
     async def _tokenized_off_the_loop(
         self, request: GenerateRequest
     ) -> AsyncGenerator[GenerationChunk, None]:
-        tokens = await asyncio.to_thread(self._tokens, request)
-        async with aclosing(chunks(self._submit(tokens, request))) as stream:
+        tokens = await asyncio.to_thread(self.worker.prompt_tokens, request)
+        async with aclosing(chunks(self.stream(_with_prompt(request, tokens)))) as stream:
             async for chunk in stream:
                 yield chunk
 
@@ -116,7 +122,9 @@ class LocalLLM:
         if keep > self.worker.kv.tokens_per_page:
             warm = dataclasses.replace(request, params=_PREFIX_PARAMS, prefix_only=False)
             try:
-                async with aclosing(chunks(self._submit(tokens[:keep], warm))) as stream:
+                async with aclosing(
+                    chunks(self.stream(_with_prompt(warm, tokens[:keep])))
+                ) as stream:
                     async for chunk in stream:
                         cached = keep if not chunk.error else 0
             except RequestError:
@@ -134,30 +142,18 @@ class LocalLLM:
             return chat.prefix_token_ids(tokenizer, list(request.messages), tools)
         return self.worker.encode(request.prompt)
 
-    def _tokens(self, request: GenerateRequest) -> list[int] | str:
-        """The prompt's token ids (text, when the model has no tokenizer: its error)."""
-        tokenizer = self.worker.tokenizer
-        if request.messages is not None:  # what users wrote stays text (engine/chat.py)
-            messages = list(request.messages)
-            tools = list(request.tools) if request.tools else None
-            if tokenizer is None:
-                return chat.render(None, messages)
-            return chat.chat_token_ids(tokenizer, messages, tools)
-        if isinstance(request.prompt, str):
-            return self.worker.encode(request.prompt)
-        return list(request.prompt)
+    def submit(self, request: GenerateRequest, sink: Callable[[RequestOutput], None]) -> None:
+        """The one way a generation enters the engine: validated and queued now
+        (RequestError before any work); ``sink`` gets each ``RequestOutput`` on the engine
+        thread (``LLMEngine``'s offline API and ``generate`` both come through here)."""
+        self.worker.submit(request, sink)
 
-    def _submit(self, prompt: list[int] | str, request: GenerateRequest) -> OutputStream:
+    def stream(self, request: GenerateRequest) -> OutputStream:
+        """From a running asyncio loop: queued now, its outputs streamed later; closing
+        the stream early aborts the request."""
         stream = OutputStream(self.worker.abort, asyncio.get_running_loop())
         stream.request_id = request.request_id
-        self.worker.submit(
-            prompt,
-            request.params,
-            request_id=request.request_id,
-            sink=stream.put,
-            priority=request.priority,
-            adapter=request.adapter,
-        )
+        self.submit(request, stream.put)
         return stream
 
     def abort(self, request_id: str) -> None:

@@ -22,11 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from trae_groups.engine.worker import Priority
+from dataclasses import dataclass, field
 
 POLICIES: tuple[str, ...] = ("deadline", "graph", "fifo")
 
@@ -52,6 +48,23 @@ class Deadline:
 
     def passed(self, now: float | None = None) -> bool:
         return self.remaining(now) <= 0
+
+
+@dataclass(frozen=True)
+class Priority:
+    """What the graph executor tells the engine about one item.
+
+    depth: the node's depth in its request's DAG (0 = a root node). Deeper work is
+    closer to a response, so it goes first.
+    arrival: when the item's *request* arrived (wall-clock seconds, like deadlines, so that
+    requests that entered on different hosts of a cluster compare): older goes first.
+    deadline: the request's deadline (wall clock) and whether to drop work past it;
+    how it combines with depth and arrival is ``rank``.
+    """
+
+    depth: int = 0
+    arrival: float = field(default_factory=time.time)
+    deadline: Deadline | None = None
 
 
 def tightest(

@@ -27,11 +27,8 @@ from trae_groups.engine.errors import RequestError
 from trae_groups.engine.memory import tensor_key
 from trae_groups.engine.ner import aggregate
 from trae_groups.engine.protocol import EncodeOptions
+from trae_groups.engine.tasks import ENCODER_TASKS, PAIR_TASKS, TASKS
 from trae_groups.engine.weights import LoadedModel, tensor_slots
-
-ENCODER_TASKS = ("classify", "tag", "embed", "rerank")
-#: Tasks whose items are (query, document) pairs rather than one text.
-PAIR_TASKS = frozenset({"rerank"})
 
 Text = str | tuple[str, str]
 
@@ -124,11 +121,17 @@ def _head_view(model: nn.Module) -> tuple[nn.Module, _Given]:
 
 
 def _backbone(loaded: LoadedModel) -> nn.Module:
-    return loaded.model if loaded.task == "embed" else loaded.model.base_model
+    return TASKS[loaded.task].backbone(loaded.model)
 
 
 def _ptrs(module: nn.Module) -> set[tuple]:
     return {tensor_key(t) for _, _, _, t in tensor_slots(module)}
+
+
+def backbone_tensors(loaded: LoadedModel) -> set[tuple]:
+    """The distinct tensors of a head's backbone: heads whose sets nest (one may carry a
+    pooler the other leaves out) and that share a vocabulary can share one runner."""
+    return _ptrs(_backbone(loaded))
 
 
 class EncoderRunner:
@@ -149,7 +152,7 @@ class EncoderRunner:
         if len(self.heads) > 1:
             self._check_shared_backbone()
             for name, loaded in self.heads.items():
-                if loaded.task != "embed":
+                if not TASKS[loaded.task].whole_backbone:
                     self._views[name] = _head_view(loaded.model)
 
     def _check_shared_backbone(self) -> None:
@@ -185,7 +188,7 @@ class EncoderRunner:
         results: dict[str, Any] = {}
         for name in wanted:
             loaded = self.heads[name]
-            if loaded.task == "embed":
+            if TASKS[loaded.task].whole_backbone:
                 results[name] = out.last_hidden_state.float()
                 continue
             view, given = self._views[name]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from trae_groups.engine.batcher import BatcherConfig, DynamicBatcher
-from trae_groups.engine.deadlines import due, expired
+from trae_groups.engine.deadlines import Priority, due, expired
 from trae_groups.engine.encoder_runner import PAIR_TASKS, Encoded, EncoderRunner, Text, check_text
 from trae_groups.engine.errors import (
     DeadlineExceeded,
@@ -36,7 +36,7 @@ from trae_groups.engine.errors import (
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.protocol import EncodeOptions, ModelStats, Window
 from trae_groups.engine.weights import LoadedModel
-from trae_groups.engine.worker import Priority, Urgency, Worker
+from trae_groups.engine.worker import Urgency, Worker
 
 log = logging.getLogger("trae_groups.engine")
 _BLOCKED_RETRY_S = 0.002  # pool full: try again this much later (LLM steps free pages)
@@ -297,35 +297,32 @@ class EncoderWorker(Worker):
             log.exception(
                 "%s: batch of %d failed; running its items one by one", self.name, len(items)
             )
-            for item in items:
-                self._run_alone(item)
-            self._count(items, encoded)
-            return
-        for item, row in zip(items, rows, strict=True):
-            self._resolve(item, lambda it=item, r=row: self._results(it, outputs, encoded, r))
+            outcomes = [self._alone(item) for item in items]
+        else:
+            outcomes = [
+                _attempt(lambda it=item, r=row: self._results(it, outputs, encoded, r))
+                for item, row in zip(items, rows, strict=True)
+            ]
+        # counted before any future resolves: a caller that has its results sees them counted
         self._count(items, encoded)
+        for item, outcome in zip(items, outcomes, strict=True):
+            _settle(item, outcome)
 
     def _run_alone(self, item: EncoderItem) -> None:
+        _settle(item, self._alone(item))
+
+    def _alone(self, item: EncoderItem) -> tuple[Any, BaseException | None]:
         def work() -> Any:
             encoded = self.runner.encode([item.text])
             return self._results(item, self.runner.forward(encoded, list(item.heads)), encoded, 0)
 
-        self._resolve(item, work)
+        return _attempt(work)
 
     def _results(self, item: EncoderItem, outputs: dict, encoded: Encoded, row: int) -> Any:
         results = {
             h: self.runner.result(h, outputs[h], encoded, row, item.options) for h in item.heads
         }
         return results if item.many else results[item.heads[0]]
-
-    def _resolve(self, item: EncoderItem, work: Callable[[], Any]) -> None:
-        try:
-            value = work()
-        except Exception as exc:
-            _fail(item, exc)
-            return
-        with contextlib.suppress(InvalidStateError):  # aborted while it ran
-            item.future.set_result(value)
 
     def _count(self, items: list[EncoderItem], encoded: Encoded) -> None:
         batch, seq = encoded.shape
@@ -357,6 +354,23 @@ def _mark_running(item: EncoderItem) -> bool:
         return item.future.set_running_or_notify_cancel()
     except RuntimeError:  # already finished (aborted)
         return False
+
+
+def _attempt(work: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    """``work()``'s value, or the exception it raised (the item's, not the batch's)."""
+    try:
+        return work(), None
+    except Exception as exc:
+        return None, exc
+
+
+def _settle(item: EncoderItem, outcome: tuple[Any, BaseException | None]) -> None:
+    value, exc = outcome
+    if exc is not None:
+        _fail(item, exc)
+        return
+    with contextlib.suppress(InvalidStateError):  # aborted while it ran
+        item.future.set_result(value)
 
 
 def _fail(item: EncoderItem, exc: BaseException) -> None:

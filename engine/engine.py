@@ -1,35 +1,38 @@
 """LLMEngine: one loop thread, one memory pool, any number of models.
 
-Batch use: ``engine.generate(prompts, params)``. Serving: ``engine.add_request(...)``
-from asyncio code returns an async stream of outputs; leaving the stream early
-aborts the request and frees its pages.
+Batch use: ``engine.generate(prompts, params)``; from asyncio code,
+``engine.add_request(...)`` streams one request's outputs (leaving early aborts it).
+Both wrap the model's ``LocalLLM`` (``engine.client(model)``), the one way a generation
+enters the engine; serving reaches models through those clients (engine/protocol.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig
 
+from trae_groups.engine.clients import LocalLLM
 from trae_groups.engine.config import EngineConfig
+from trae_groups.engine.deadlines import Priority
 from trae_groups.engine.errors import EngineError, EngineStopped, ModelLoadError, RequestError
 from trae_groups.engine.llm_runner import ATTN_NAME, kv_layout, prepare_forward
 from trae_groups.engine.llm_worker import LLMWorker
 from trae_groups.engine.loop import EngineLoop
 from trae_groups.engine.memory_pool import MemoryPool
-from trae_groups.engine.protocol import EngineStats, WeightStats, new_request_id
+from trae_groups.engine.outputs import OutputStream
+from trae_groups.engine.protocol import EngineStats, GenerateRequest, WeightStats, new_request_id
 from trae_groups.engine.residency import Residency
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.sequence import RequestOutput
 from trae_groups.engine.weights import WeightStore
-from trae_groups.engine.worker import Priority, Worker
+from trae_groups.engine.worker import Worker
 from trae_groups.kernels import select_backend
 
 log = logging.getLogger("trae_groups.engine")
@@ -98,10 +101,10 @@ class LLMEngine:
         self._pool_sized = False  # final size, KV capacity logged (size_pool)
         self._to_compile: list[tuple[LLMWorker, tuple[int, ...]]] = []  # until then
         self.llms: dict[str, LLMWorker] = {}
+        self.clients: dict[str, LocalLLM] = {}  # each LLM's one way in
         self.residency = Residency(
             self.store.total_bytes, self.config.weight_budget, self.config.load_wait
         )
-        self._request_owner: dict[str, Worker] = {}
         self._lock = threading.Lock()
         _LIVE.add(self)
         for name, path in named.items():
@@ -230,6 +233,7 @@ class LLMEngine:
             else:  # at start, once the pool has its size (the other models' weights loaded)
                 self._to_compile.append((worker, sizes))
         self.llms[name] = worker
+        self.clients[name] = LocalLLM(worker, lambda: self.loop.running)
         self.loop.add_worker(worker)
         if self._pool_sized and self.loop.running:  # an on-demand model, a new version
             self._log_capacity(worker)
@@ -249,6 +253,7 @@ class LLMEngine:
         (the prefix cache's too: nobody can use them any more)."""
         worker = self.loop.remove_worker(name)
         self.llms.pop(name, None)
+        self.clients.pop(name, None)
         self.loop.call(lambda: self.pool.clear_cache(owner=name))
         return worker
 
@@ -257,13 +262,17 @@ class LLMEngine:
         self.loop.add_worker(worker)
 
     def llm(self, model: str | None) -> LLMWorker:
+        return self.client(model).worker
+
+    def client(self, model: str | None) -> LocalLLM:
+        """The model's local client (``model`` may be left out when there is one LLM)."""
         if model is None:
-            if len(self.llms) != 1:
-                raise RequestError("model", f"name one of {sorted(self.llms)}")
-            return next(iter(self.llms.values()))
-        if model not in self.llms:
-            raise RequestError("model", f"unknown model {model!r}; known: {sorted(self.llms)}")
-        return self.llms[model]
+            if len(self.clients) != 1:
+                raise RequestError("model", f"name one of {sorted(self.clients)}")
+            return next(iter(self.clients.values()))
+        if model not in self.clients:
+            raise RequestError("model", f"unknown model {model!r}; known: {sorted(self.clients)}")
+        return self.clients[model]
 
     # -- life cycle ------------------------------------------------------------------
     def start(self) -> LLMEngine:
@@ -287,7 +296,7 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         *,
-        sink,
+        sink: Callable[[RequestOutput], None],
         request_id: str | None = None,
         model: str | None = None,
         priority: Priority | None = None,
@@ -296,17 +305,9 @@ class LLMEngine:
         """Queue one request; ``sink(output)`` is called on the engine thread."""
         if not self.loop.running:
             raise EngineStopped("the engine is not running; call start()")
-        worker = self.llm(model)
-        request_id = request_id or new_request_id()
-        worker.submit(
-            prompt,
-            params or SamplingParams(),
-            request_id=request_id,
-            sink=sink,
-            priority=priority,
-            adapter=adapter,
-        )
-        return request_id
+        request = _request(prompt, params, request_id, priority, adapter)
+        self.client(model).submit(request, sink)
+        return request.request_id
 
     def add_request(
         self,
@@ -319,17 +320,10 @@ class LLMEngine:
         adapter: str | None = None,
     ) -> OutputStream:
         """From a running asyncio loop: validate and queue now, stream outputs later."""
-        stream = OutputStream(self.abort, asyncio.get_running_loop())
-        stream.request_id = self.submit(
-            prompt,
-            params,
-            sink=stream.put,
-            request_id=request_id,
-            model=model,
-            priority=priority,
-            adapter=adapter,
-        )
-        return stream
+        if not self.loop.running:
+            raise EngineStopped("the engine is not running; call start()")
+        request = _request(prompt, params, request_id, priority, adapter)
+        return self.client(model).stream(request)
 
     def abort(self, request_id: str) -> None:
         for worker in self.loop.workers.values():
@@ -342,10 +336,11 @@ class LLMEngine:
         model: str | None = None,
         adapters: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Blocking batch generation (``adapters``: one LoRA adapter name or None per prompt). With the loop thread running (serving), the
-        requests join it; otherwise the engine steps right here, in the calling
-        thread — faster for offline batches, as torch's OpenMP threads then serve
-        one caller only (a second thread running torch ops makes both slower)."""
+        """Blocking batch generation (``adapters``: one LoRA adapter name or None per
+        prompt). With the loop thread running (serving), the requests join it; otherwise
+        the engine steps right here, in the calling thread — faster for offline batches,
+        as torch's OpenMP threads then serve one caller only (a second thread running
+        torch ops makes both slower)."""
         if not isinstance(params, Sequence):
             params = [params or SamplingParams()] * len(prompts)
         adapters = [None] * len(prompts) if adapters is None else list(adapters)
@@ -355,7 +350,7 @@ class LLMEngine:
         results: dict[int, RequestOutput] = {}
         done = threading.Event()
 
-        def sink_for(index: int):
+        def sink_for(index: int) -> Callable[[RequestOutput], None]:
             def sink(out: RequestOutput) -> None:
                 if out.finished:
                     results[index] = out
@@ -364,27 +359,18 @@ class LLMEngine:
 
             return sink
 
-        worker = self.llm(model)
+        client = self.client(model)
         ids = []
         try:
             for i, (prompt, p, adapter) in enumerate(zip(prompts, params, adapters, strict=True)):
-                if inline:
-                    ids.append(new_request_id())
-                    worker.submit(
-                        prompt,
-                        p or SamplingParams(),
-                        request_id=ids[-1],
-                        sink=sink_for(i),
-                        adapter=adapter,
-                    )
-                else:
-                    ids.append(
-                        self.submit(prompt, p, sink=sink_for(i), model=model, adapter=adapter)
-                    )
+                request = _request(prompt, p, None, None, adapter)
+                ids.append(request.request_id)
+                client.submit(request, sink_for(i))
         except BaseException:
             for request_id in ids:  # a bad prompt refuses the whole batch
-                worker.abort(request_id)
+                client.abort(request_id)
             if inline:
+                worker = client.worker
                 self.loop.run_until(lambda: not worker.scheduler.has_work() and worker.idle)
             raise
         if inline:
@@ -428,40 +414,24 @@ class LLMEngine:
         }
 
 
-class OutputStream:
-    """Async iterator over one request's outputs; closing it early aborts the request
-    (``abort(request_id)``: the engine's, or the one worker's that holds it)."""
-
-    def __init__(self, abort: Callable[[str], None], loop: asyncio.AbstractEventLoop):
-        self._abort = abort
-        self._loop = loop
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.request_id = ""
-        self.finished = False
-
-    def put(self, out: RequestOutput) -> None:  # engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
-
-    def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        try:
-            while not self.finished:
-                out = await self._queue.get()
-                self.finished = out.finished
-                yield out
-        finally:
-            self.abort()
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._abort(self.request_id)
-
-    async def final(self) -> RequestOutput:
-        """Consume the stream; the last output."""
-        last = None
-        async for out in self:
-            last = out
-        return last
+def _request(
+    prompt: str | list[int],
+    params: SamplingParams | None,
+    request_id: str | None,
+    priority: Priority | None,
+    adapter: str | None,
+) -> GenerateRequest:
+    """The offline API's arguments as the one typed request every client takes."""
+    if isinstance(prompt, str):
+        text: str | tuple[int, ...] = prompt
+    elif isinstance(prompt, Sequence):
+        text = tuple(prompt)
+    else:
+        raise RequestError("prompt", "must be a text or a list of token ids")
+    return GenerateRequest(
+        request_id or new_request_id(),
+        params or SamplingParams(),
+        prompt=text,
+        priority=priority or Priority(),
+        adapter=adapter,
+    )

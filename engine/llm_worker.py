@@ -19,33 +19,23 @@ from trae_groups.engine import chat
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.constraints import Grammars, fill_masks
 from trae_groups.engine.deadlines import rank
-from trae_groups.engine.detokenizer import find_stop, update_text
 from trae_groups.engine.errors import EngineStopped, RequestError
 from trae_groups.engine.llm_runner import LLMRunner, activation_dtype, kv_layout
+from trae_groups.engine.llm_stats import LLMCounters
 from trae_groups.engine.lora import Adapter, LoraSlots
 from trae_groups.engine.memory_pool import MemoryPool
-from trae_groups.engine.protocol import ModelStats, Window
-from trae_groups.engine.sampling import Sampler, SamplingParams
-from trae_groups.engine.scheduler import Scheduler, SchedulerOutput
+from trae_groups.engine.outputs import Outputs, eos_ids
+from trae_groups.engine.protocol import GenerateRequest, ModelStats
+from trae_groups.engine.sampling import Sampler
+from trae_groups.engine.scheduler import Scheduler, SchedulerOutput, SchedulerSettings
 from trae_groups.engine.sequence import RequestOutput, Sequence
-from trae_groups.engine.worker import Priority, Urgency, Worker
+from trae_groups.engine.worker import Urgency, Worker
 from trae_groups.kernels import AttentionBackend
 from trae_groups.kernels.lora import select_lora_kernel
 
 log = logging.getLogger("trae_groups.engine")
 
 _STALL_POLL_S = 0.005  # waiting for pages another model holds
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(v for v in value if isinstance(v, int))
-    return ids
 
 
 class LLMWorker(Worker):
@@ -75,45 +65,22 @@ class LLMWorker(Worker):
         self.max_prompt_tokens = min(
             config.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1
         )
-        self.scheduler = Scheduler(
-            pool,
-            owner=name,
-            tokens_per_page=self.kv.tokens_per_page,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            cache_key=(cache_key or name) if config.enable_prefix_cache else None,
-            policy=config.scheduling,
-            zero_pages=backend.needs_zeroed_pages,
-            long_prefill_tokens=config.long_prefill_tokens,
-            admissible=self._adapter_ready,
+        settings = SchedulerSettings.from_config(
+            config, self.kv.tokens_per_page, cache_key or name, backend.needs_zeroed_pages
         )
+        self.scheduler = Scheduler(pool, name, settings, admissible=self._adapter_ready)
         self.max_loras = config.max_loras
         self.max_lora_rank = config.max_lora_rank
         self.sampler = Sampler()
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = eos_ids(model, tokenizer)
+        self.outputs = Outputs(name, tokenizer, self.eos_ids, self.max_model_len)
         self._lock = threading.Lock()
         self._inbox: deque[Sequence] = deque()
         self._aborts: set[str] = set()
         self._live: dict[str, Sequence] = {}
         self._stalled_until = 0.0
         self._grammars: Grammars | None = None
-        # counters (metrics read them; derived rates live in the metrics layer)
-        self.num_steps = 0
-        self.num_deadline_drops = 0  # sequences ended because their deadline passed
-        self.num_generated = 0
-        self.num_prompt_tokens = 0
-        self.num_cached_tokens = 0  # of those, served by the prefix cache
-        self.batch_tokens: deque[int] = deque(maxlen=4096)
-        # time to first token: submit to the step that sampled it (the one definition);
-        # inter-token latency: between two tokens of one sequence
-        self.ttft: deque[float] = deque(maxlen=4096)
-        self.itl: deque[float] = deque(maxlen=4096)
-        self.num_first_tokens = 0
-        self.num_itl = 0
-        # seconds from submit to the first step that took each request (recent window;
-        # num_started counts them all, so a reader can tell which ones are new)
-        self.queue_waits: deque[float] = deque(maxlen=4096)
-        self.num_started = 0
+        self.counters = LLMCounters()  # what metrics read (engine/llm_stats.py)
 
     # -- submitting (any thread) ------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -125,19 +92,23 @@ class LLMWorker(Worker):
             return chat.encode(self.tokenizer, prompt)
         return list(prompt)
 
-    def submit(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        *,
-        request_id: str,
-        sink: Callable[[RequestOutput], None],
-        priority: Priority | None = None,
-        adapter: str | None = None,
-    ) -> None:
-        """Validate, then queue. Raises RequestError before any work is done."""
+    def prompt_tokens(self, request: GenerateRequest) -> list[int] | str:
+        """The request's prompt as token ids: chat messages through the model's template
+        (engine/chat.py); text when the model has no tokenizer (``submit`` refuses it)."""
+        if request.messages is not None:  # what users wrote stays text (engine/chat.py)
+            messages = list(request.messages)
+            tools = list(request.tools) if request.tools else None
+            if self.tokenizer is None:
+                return chat.render(None, messages)
+            return chat.chat_token_ids(self.tokenizer, messages, tools)
+        return self.encode(request.prompt)
+
+    def submit(self, request: GenerateRequest, sink: Callable[[RequestOutput], None]) -> None:
+        """Validate, then queue; ``sink`` gets each output on the engine thread. Raises
+        RequestError before any work is done."""
+        params, request_id, adapter = request.params, request.request_id, request.adapter
         salt = self._adapter_salt(adapter)
-        tokens = self.encode(prompt)
+        tokens = self.encode(self.prompt_tokens(request))  # still text: no tokenizer, refused
         if not tokens:
             raise RequestError("prompt", "is empty")
         vocab = self.model.config.get_text_config().vocab_size
@@ -174,7 +145,7 @@ class LLMWorker(Worker):
             tokens,
             params,
             sink,
-            priority or Priority(),
+            request.priority,
             generator=generator,
             adapter=adapter,
             cache_salt=salt,
@@ -324,17 +295,14 @@ class LLMWorker(Worker):
             return
         if self.runner.lora is not None:
             self.runner.lora.touch(i.seq.adapter for i in sched.scheduled if i.seq.adapter)
-        self.num_steps += 1
-        self.batch_tokens.append(sched.num_tokens)
+        self.counters.step(sched.num_tokens)
         self._postprocess(sched, sampling, result)
 
     def _note_first_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
         for item in sched.scheduled:
             if item.seq.first_scheduled is None:
-                item.seq.first_scheduled = now
-                self.queue_waits.append(now - item.seq.arrival)
-                self.num_started += 1
+                self.counters.first_scheduled(item.seq, now)
 
     def _take_new_and_aborts(self) -> None:
         with self._lock:
@@ -352,7 +320,7 @@ class LLMWorker(Worker):
         """Work past its deadline (``drop``) ends now as ``deadline``, pages freed."""
         for seq in self.scheduler.expired(time.time()):
             self.scheduler.finish(seq, "deadline")
-            self.num_deadline_drops += 1
+            self.counters.deadline_drops += 1
             self._emit(seq)
 
     def grammars(self) -> Grammars:
@@ -381,75 +349,15 @@ class LLMWorker(Worker):
             if result.logprobs is not None:
                 seq.logprobs.append(result.logprobs[row])
                 seq.top_logprobs.append(result.top_logprobs[row])
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-                self.ttft.append(now - seq.arrival)
-                self.num_first_tokens += 1
-                self.num_prompt_tokens += len(seq.prompt_token_ids)
-                self.num_cached_tokens += seq.num_cached_tokens
-            else:
-                self.itl.append(now - seq.last_token_time)
-                self.num_itl += 1
-            seq.last_token_time = now
-            self.num_generated += 1
-            reason = self._finish_reason(seq, token)
+            self.counters.token(seq, now)
+            reason = self.outputs.finish_reason(seq, token)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             self._emit(seq)
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.params
-        if seq.matcher is not None:
-            seq.matcher.consume_token(token)
-            if seq.matcher.is_stopped() and token not in self.eos_ids:  # complete: no token fits
-                if self.tokenizer is not None:
-                    update_text(seq, self.tokenizer, params.skip_special_tokens, final=True)
-                return "stop"
-        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
-            if self.tokenizer is not None:  # the stop token's own text is not part of the reply
-                update_text(seq, self.tokenizer, params.skip_special_tokens, final=True, upto=-1)
-            return "stop"
-        if self.tokenizer is not None:
-            searched = len(seq.text)
-            update_text(seq, self.tokenizer, params.skip_special_tokens)
-            cut = find_stop(seq.text, params.stop, searched)
-            if cut is not None:
-                seq.text = seq.text[:cut]
-                return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            if self.tokenizer is not None:
-                update_text(seq, self.tokenizer, params.skip_special_tokens, final=True)
-            return "length"
-        return None
-
     # -- outputs ---------------------------------------------------------------------------
     def _emit(self, seq: Sequence, error: str | None = None) -> None:
-        text_ready = len(seq.text)
-        if not seq.finished and seq.params.stop:  # hold back what may become a stop string
-            text_ready -= max(len(s) for s in seq.params.stop) - 1
-        text_ready = max(text_ready, seq.sent_text_len)
-        out = RequestOutput(
-            request_id=seq.request_id,
-            model=self.name,
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=seq.text if seq.finished else seq.text[:text_ready],
-            delta_text=seq.text[seq.sent_text_len : len(seq.text) if seq.finished else text_ready],
-            delta_token_ids=seq.output_token_ids[seq.sent_tokens :],
-            finished=seq.finished,
-            finish_reason=seq.stop_reason if seq.finished else None,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            top_logprobs=list(seq.top_logprobs) if seq.params.logprobs is not None else None,
-            num_cached_tokens=seq.num_cached_tokens,
-            error=error,
-            metrics={
-                "preemptions": seq.preemptions,
-                "arrival": seq.arrival,
-                "first_token_time": seq.first_token_time,
-            },
-        )
-        seq.sent_text_len = len(seq.text) if seq.finished else text_ready
-        seq.sent_tokens = len(seq.output_token_ids)
+        out = self.outputs.output(seq, error)
         if seq.finished:
             with self._lock:
                 self._live.pop(seq.request_id, None)
@@ -486,28 +394,23 @@ class LLMWorker(Worker):
             running=s["running"],
             waiting=s["waiting"],
             counters={**{k: float(s[k]) for k in keys}, **adapters},
-            windows={
-                "queue_seconds": Window(tuple(self.queue_waits), self.num_started),
-                "ttft_seconds": Window(tuple(self.ttft), self.num_first_tokens),
-                "itl_seconds": Window(tuple(self.itl), self.num_itl),
-                "batch_tokens": Window(tuple(self.batch_tokens), self.num_steps),
-            },
+            windows=self.counters.windows(),
         )
 
     def stats(self) -> dict:
-        sched = self.scheduler
+        sched, counts = self.scheduler, self.counters
         slots = sum(len(s.pages) for s in sched.running) * self.kv.tokens_per_page
         used = sum(s.num_computed for s in sched.running)
         return {
             "kind": "llm",
             "running": len(sched.running),
             "waiting": len(sched.waiting) + len(self._inbox),
-            "steps": self.num_steps,
-            "generated_tokens": self.num_generated,
-            "prompt_tokens": self.num_prompt_tokens,
-            "cached_tokens": self.num_cached_tokens,
+            "steps": counts.steps,
+            "generated_tokens": counts.generated,
+            "prompt_tokens": counts.prompt_tokens,
+            "cached_tokens": counts.cached_tokens,
             "preemptions": sched.num_preemptions,
-            "deadline_drops": self.num_deadline_drops,
+            "deadline_drops": counts.deadline_drops,
             "tokens_per_page": self.kv.tokens_per_page,
             "kv_slots_allocated": slots,
             "kv_slots_used": used,

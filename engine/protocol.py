@@ -17,10 +17,10 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from trae_groups.engine.deadlines import Priority
 from trae_groups.engine.errors import RequestError
 from trae_groups.engine.memory_pool import PoolStats
 from trae_groups.engine.sampling import SamplingParams
-from trae_groups.engine.worker import Priority
 
 
 def new_request_id(prefix: str = "req") -> str:

@@ -18,6 +18,7 @@ import bisect
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.deadlines import expired, rank
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.sequence import Sequence, Status
@@ -50,30 +51,52 @@ class SchedulerOutput:
         return bool(self.decodes or self.prefills)
 
 
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """What one model's scheduler is told once (``from_config``: the engine's settings)."""
+
+    tokens_per_page: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    cache_key: Hashable | None = None  # None disables the prefix cache
+    policy: str = "deadline"
+    zero_pages: bool = True  # what the attention backend needs of new pages
+    long_prefill_tokens: int | None = None  # None: a chunk may take the whole budget
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, tokens_per_page: int, cache_key: Hashable, zero_pages: bool
+    ) -> SchedulerSettings:
+        return cls(
+            tokens_per_page=tokens_per_page,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            cache_key=cache_key if config.enable_prefix_cache else None,
+            policy=config.scheduling,
+            zero_pages=zero_pages,
+            long_prefill_tokens=config.long_prefill_tokens,
+        )
+
+
 class Scheduler:
     def __init__(
         self,
         pool: MemoryPool,
         owner: str,
-        tokens_per_page: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        cache_key: Hashable | None,
-        policy: str = "deadline",
-        zero_pages: bool = True,
-        long_prefill_tokens: int | None = None,  # None: a chunk may take the whole budget
+        settings: SchedulerSettings,
         admissible: Callable[[Sequence], bool] | None = None,  # None: every sequence can run
     ):
+        self.settings = settings
         self.admissible = admissible
-        self.policy = policy
-        self.long_prefill_tokens = long_prefill_tokens
-        self.zero_pages = zero_pages  # what the attention backend needs of new pages
+        self.policy = settings.policy
+        self.long_prefill_tokens = settings.long_prefill_tokens
+        self.zero_pages = settings.zero_pages
         self.pool = pool
         self.owner = owner
-        self.page = tokens_per_page
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.cache_key = cache_key  # None disables the prefix cache
+        self.page = settings.tokens_per_page
+        self.max_num_seqs = settings.max_num_seqs
+        self.max_num_batched_tokens = settings.max_num_batched_tokens
+        self.cache_key = settings.cache_key
         self.waiting: list[Sequence] = []  # sorted by _rank
         self.running: list[Sequence] = []  # admission order
         self._admissions = 0

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from trae_groups.engine.deadlines import Priority
 from trae_groups.engine.sampling import SamplingParams
-from trae_groups.engine.worker import Priority
 
 
 class Status(enum.Enum):

@@ -42,6 +42,8 @@ from trae_groups.engine.memory import (
     tensor_bytes,
     tensor_key,
 )
+from trae_groups.engine.tasks import TASKS as _TASKS
+from trae_groups.engine.tasks import generates
 
 log = logging.getLogger("trae_groups.engine")
 
@@ -51,20 +53,7 @@ _SAMPLE = 4096
 # what a folder with a tokenizer holds: tokenizers' JSON, sentencepiece, BPE or WordPiece
 _TOKENIZER_FILES = ("tokenizer*", "*.model", "vocab.*", "merges.txt")
 
-# task -> (transformers Auto class, its model-type mapping)
-_TASKS = {
-    "classify": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION"),
-    "tag": ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION"),
-    "embed": ("AutoModel", "MODEL"),
-    "rerank": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION"),
-    "generate": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM"),
-}
-TASKS = tuple(_TASKS)
-_HEADS = {
-    "classify": "ForSequenceClassification",
-    "rerank": "ForSequenceClassification",
-    "tag": "ForTokenClassification",
-}
+TASKS = tuple(_TASKS)  # what a folder can be loaded for (engine/tasks.py)
 
 
 @dataclass(frozen=True)
@@ -253,7 +242,7 @@ class WeightStore:
     def _tokenizer(self, path: Path, task: str) -> Any:
         """The folder's tokenizer. An LLM folder with none (a benchmark's random-init
         model, say) loads without one and takes token-id prompts only."""
-        if task == "generate" and not any(any(path.glob(p)) for p in _TOKENIZER_FILES):
+        if generates(task) and not any(any(path.glob(p)) for p in _TOKENIZER_FILES):
             log.info("%s has no tokenizer: its prompts must be token ids", path)
             return None
         if str(path) not in self._tokenizers:
@@ -458,7 +447,7 @@ _SIZES = {"I8": 1, "U8": 1, "BOOL": 1, "I16": 2, "I32": 4, "I64": 8}
 def model_class(task: str) -> Any:
     import transformers
 
-    return getattr(transformers, _TASKS[task][0])
+    return getattr(transformers, _TASKS[task].auto_class)
 
 
 def _type_names(mapping: str) -> dict[str, Any]:
@@ -470,15 +459,15 @@ def _type_names(mapping: str) -> dict[str, Any]:
 def check_task(path: str, config: Any, task: str) -> None:
     """Refuse a task the architecture cannot do, before reading any weights."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in _type_names(_TASKS[task][1]):
+    if model_type not in _type_names(_TASKS[task].mapping):
         raise ModelLoadError(path, f"a {model_type!r} model cannot do {task!r}")
-    if task == "generate" and _is_encoder(config):
+    if _TASKS[task].generates and _is_encoder(config):
         raise ModelLoadError(
             path, f"{model_type!r} here is a bidirectional encoder (is_decoder is false)"
         )
-    if task in ("classify", "tag") and not getattr(config, "id2label", None):
+    if _TASKS[task].labels and not getattr(config, "id2label", None):
         raise ModelLoadError(path, f"{task!r} needs labels (id2label) in config.json")
-    head = _HEADS.get(task)
+    head = _TASKS[task].head
     saved_as = list(getattr(config, "architectures", None) or ())
     if head and saved_as and not any(a.endswith(head) for a in saved_as):
         # same head names and shapes would load silently: trust what it was saved as
@@ -495,7 +484,7 @@ def missing_weights_error(task: str, info: dict) -> str | None:
     """A head missing from the file would be random: refuse it. A missing pooler
     does not matter for embeddings (they pool the hidden states)."""
     missing = sorted(info.get("missing_keys") or ())
-    if task == "embed":
+    if _TASKS[task].whole_backbone:
         missing = [k for k in missing if "pooler" not in k]
     if not missing:
         return None
@@ -678,4 +667,4 @@ def _quantize_int8(model: nn.Module, task: str) -> None:
     MLP float (``LLM_KEEP_FLOAT``: outlier features in its activations)."""
     from trae_groups.engine.quant import LLM_KEEP_FLOAT, quantize_linears
 
-    quantize_linears(model, keep_float=LLM_KEEP_FLOAT if task == "generate" else ())
+    quantize_linears(model, keep_float=LLM_KEEP_FLOAT if generates(task) else ())

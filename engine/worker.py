@@ -7,32 +7,11 @@ and steps the most urgent one; see ``engine/loop.py`` for the policy.
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from trae_groups.engine.deadlines import Deadline, due
-
-if TYPE_CHECKING:
-    from trae_groups.engine.protocol import ModelStats
-
-
-@dataclass(frozen=True)
-class Priority:
-    """What the graph executor tells the engine about one item.
-
-    depth: the node's depth in its request's DAG (0 = a root node). Deeper work is
-    closer to a response, so it goes first.
-    arrival: when the item's *request* arrived (wall-clock seconds, like deadlines, so that
-    requests that entered on different hosts of a cluster compare): older goes first.
-    deadline: the request's deadline (wall clock) and whether to drop work past it;
-    how it combines with depth and arrival is ``engine/deadlines.py``'s ``rank``.
-    """
-
-    depth: int = 0
-    arrival: float = field(default_factory=time.time)
-    deadline: Deadline | None = None
+from trae_groups.engine.deadlines import Priority, due
+from trae_groups.engine.protocol import ModelStats
 
 
 @dataclass(frozen=True, order=True)
@@ -89,8 +68,6 @@ class Worker(ABC):
 
     def model_stats(self) -> ModelStats:
         """Typed stats for the layers above; workers with counters override it."""
-        from trae_groups.engine.protocol import ModelStats  # the protocol imports Priority
-
         return ModelStats(self.name, "encoder")
 
     @abstractmethod

@@ -29,10 +29,9 @@ from typing import Any
 import anyio
 from pydantic import ValidationError
 
-from trae_groups.engine.deadlines import Deadline, tightest
+from trae_groups.engine.deadlines import Deadline, Priority, tightest
 from trae_groups.engine.errors import DeadlineExceeded
 from trae_groups.engine.protocol import ModelClient, new_request_id
-from trae_groups.engine.worker import Priority
 from trae_groups.graphs.compile import CompiledGraph
 from trae_groups.graphs.errors import GraphError, GraphTimeout, NodeError, first_error
 from trae_groups.graphs.nodes import KINDS, GenerateNode, NodeCall, PythonNode, generate_request

@@ -24,6 +24,7 @@ import anyio
 from pydantic import Discriminator, Field, JsonValue, PrivateAttr, Tag, model_validator
 
 from trae_groups.engine.constraints import Constraint
+from trae_groups.engine.deadlines import Priority
 from trae_groups.engine.errors import DeadlineExceeded, RequestError
 from trae_groups.engine.protocol import (
     EncodeOptions,
@@ -33,7 +34,6 @@ from trae_groups.engine.protocol import (
     Pooling,
 )
 from trae_groups.engine.sampling import SamplingParams
-from trae_groups.engine.worker import Priority
 from trae_groups.graphs.errors import TemplateRenderError
 from trae_groups.graphs.types import (
     ArgName,

@@ -23,7 +23,7 @@ from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.errors import ModelLoadError, RequestError
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.sampling import SamplingParams
-from trae_groups.engine.scheduler import Scheduler
+from trae_groups.engine.scheduler import Scheduler, SchedulerSettings
 from trae_groups.engine.sequence import Sequence
 from trae_groups.engine.weights import WeightStore
 from trae_groups.graphs.compile import resolve_functions
@@ -41,7 +41,7 @@ def seq(n_prompt: int, rid: str) -> Sequence:
 
 def scheduler(budget: int, cap: int) -> Scheduler:
     pool = MemoryPool(256, 1024)
-    return Scheduler(pool, "m", 4, 8, budget, "m", long_prefill_tokens=cap)
+    return Scheduler(pool, "m", SchedulerSettings(4, 8, budget, "m", long_prefill_tokens=cap))
 
 
 def test_a_long_prefill_leaves_room_for_waiting_prompts_and_running_decodes():
@@ -83,12 +83,16 @@ def _timed(eng: LLMEngine, prompt: list[int], max_tokens: int) -> dict:
     """Submit; the returned dict gets 'latency' (seconds to the final output) and
     'steps' (engine steps of the model from submit to the final output)."""
     worker = eng.llms["m"]
-    result: dict = {"start": time.monotonic(), "step": worker.num_steps, "done": threading.Event()}
+    result: dict = {
+        "start": time.monotonic(),
+        "step": worker.counters.steps,
+        "done": threading.Event(),
+    }
 
     def sink(out):  # on the engine thread, right after the step that finished it
         if out.finished:
             result["latency"] = time.monotonic() - result["start"]
-            result["steps"] = worker.num_steps - result["step"]
+            result["steps"] = worker.counters.steps - result["step"]
             result["out"] = out
             result["done"].set()
 

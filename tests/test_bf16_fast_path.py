@@ -10,6 +10,7 @@ from test_kernels import make_case
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.fast_linear import packable_dtypes
+from trae_groups.engine.protocol import GenerateRequest
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.kernels import naive_attention, paged_attention, store_kv
 
@@ -42,7 +43,7 @@ def _step_logits(path, fast_linear: bool, prompts, steps: int) -> list[torch.Ten
     worker.runner.run = lambda inputs: seen.append(run(inputs)) or seen[-1]
     for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=steps, ignore_eos=True)
-        worker.submit(prompt, params, request_id=str(i), sink=lambda out: None)
+        worker.submit(GenerateRequest(str(i), params, prompt=prompt), lambda out: None)
     for _ in range(steps):
         worker.step()
     eng.shutdown()

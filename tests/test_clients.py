@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from trae_groups.engine import EngineConfig, LLMEngine, RequestError, SamplingParams
+from trae_groups.engine import EngineConfig, LLMEngine, RequestError, SamplingParams, chat
 from trae_groups.engine.clients import OFFLOAD_CHARS, LocalLLM
 from trae_groups.engine.protocol import GenerateRequest
 
@@ -22,15 +22,13 @@ def engine(llama_dir):
 
 
 def collect(engine, request: GenerateRequest, seen: list) -> list[int]:
-    """Run one request through a fresh client whose tokenizing records its thread."""
+    """Run one request through a fresh client; tokenizing a text records its thread."""
     client = LocalLLM(engine.llms["m"], lambda: engine.loop.running)
-    real = client._tokens
+    real = chat.encode
 
-    def spy(req):
+    def spy(tokenizer, text):
         seen.append(threading.current_thread())
-        return real(req)
-
-    client._tokens = spy
+        return real(tokenizer, text)
 
     async def run() -> list[int]:
         ids: list[int] = []
@@ -38,7 +36,11 @@ def collect(engine, request: GenerateRequest, seen: list) -> list[int]:
             ids += chunk.token_ids
         return ids
 
-    return asyncio.run(run())
+    chat.encode = spy
+    try:
+        return asyncio.run(run())
+    finally:
+        chat.encode = real
 
 
 def test_a_huge_prompt_is_tokenized_off_the_event_loop(engine):

@@ -15,16 +15,16 @@ from conftest import build_encoder, node_module
 from trae_groups.dsl import ModelGroup
 from trae_groups.engine.batcher import DynamicBatcher
 from trae_groups.engine.config import EngineConfig
-from trae_groups.engine.deadlines import Deadline, tightest
+from trae_groups.engine.deadlines import Deadline, Priority, tightest
 from trae_groups.engine.encoder_worker import EncoderWorker
 from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.errors import DeadlineExceeded
 from trae_groups.engine.memory_pool import MemoryPool
+from trae_groups.engine.protocol import GenerateRequest
 from trae_groups.engine.sampling import SamplingParams
-from trae_groups.engine.scheduler import Scheduler
+from trae_groups.engine.scheduler import Scheduler, SchedulerSettings
 from trae_groups.engine.sequence import Sequence
 from trae_groups.engine.weights import WeightStore
-from trae_groups.engine.worker import Priority
 from trae_groups.graphs.errors import GraphValidationError
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.serving.admission import NodeTimes, ServiceRate, unreachable
@@ -41,7 +41,7 @@ def due(at: float | None, depth: int = 0, arrival: float = 0.0, drop: bool = Tru
 
 
 def test_waiting_work_is_earliest_deadline_then_deeper_then_older():
-    s = Scheduler(MemoryPool(64, 1024), "m", 4, 1, 64, None, policy="deadline")
+    s = Scheduler(MemoryPool(64, 1024), "m", SchedulerSettings(4, 1, 64, policy="deadline"))
     order = {
         "none-deep": due(None, depth=5),  # no deadline: after every one with a deadline
         "late-deep": due(FAR - 1, depth=3),
@@ -56,7 +56,7 @@ def test_waiting_work_is_earliest_deadline_then_deeper_then_older():
 
 
 def test_a_running_decode_is_not_starved_by_more_urgent_waiting_work():
-    s = Scheduler(MemoryPool(64, 1024), "m", 4, 2, 4, None, policy="deadline")
+    s = Scheduler(MemoryPool(64, 1024), "m", SchedulerSettings(4, 2, 4, policy="deadline"))
     old = Sequence("old", [1, 2, 3], SamplingParams(), lambda out: None, due(FAR))
     s.add(old)
     first = s.schedule()
@@ -134,8 +134,8 @@ def test_an_llm_worker_admits_by_deadline_under_its_scheduling(llama_dir, schedu
     submitted = {"none": due(None, depth=9), "loose": due(FAR, depth=5), "tight": due(FAR - 1)}
     for name, priority in submitted.items():
         sink = lambda out, name=name: done.append(name) if out.finished else None  # noqa: E731
-        worker.submit([5, 6, 7], SamplingParams(max_tokens=3), request_id=name, sink=sink,
-                      priority=priority)  # fmt: skip
+        params = SamplingParams(max_tokens=3)
+        worker.submit(GenerateRequest(name, params, prompt=(5, 6, 7), priority=priority), sink)
     eng.loop.run_until(lambda: len(done) == 3)
     assert done == finish_order
     eng.shutdown()
@@ -147,8 +147,10 @@ def test_work_past_its_deadline_is_dropped_and_its_pages_freed(llama_dir, drop):
     worker, outs = eng.llms["m"], []
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     deadline = Deadline(time.time() + 1.0, drop)
-    worker.submit([5, 6, 7, 8], params, request_id="r", sink=outs.append,
-                  priority=Priority(deadline=deadline))  # fmt: skip
+    request = GenerateRequest(
+        "r", params, prompt=(5, 6, 7, 8), priority=Priority(deadline=deadline)
+    )
+    worker.submit(request, outs.append)
     for _ in range(100):  # a few tokens, well within the second
         eng.loop.run_once()
         if outs and len(outs[-1].token_ids) >= 3:

@@ -88,7 +88,7 @@ def test_tiny_token_budget_forces_chunked_prefill(llama_dir):
     ps = prompts(seed=1, lo=20, hi=60)
     with engine({"m": llama_dir}, max_num_batched_tokens=7) as eng:
         outs = eng.generate(ps, SamplingParams(max_tokens=MAX_NEW))
-        assert max(eng.llms["m"].batch_tokens) <= 7
+        assert max(eng.llms["m"].counters.batch_tokens) <= 7
     assert_parity(llama_dir, outs, ps)
 
 

@@ -116,7 +116,7 @@ def test_chunked_prefill_and_preemption_with_adapters(lora_sets, monkeypatch):
     ) as eng:
         outs = eng.generate(ps, SamplingParams(max_tokens=MAX_NEW), adapters=names)
         worker = eng.llms["m"]
-        assert max(worker.batch_tokens) <= 7
+        assert max(worker.counters.batch_tokens) <= 7
         assert worker.scheduler.num_preemptions > 0
         assert eng.pool.stats().used_pages == 0
     assert_parity(base, adapters, outs, ps, names)

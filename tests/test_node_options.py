@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from conftest import LORA_VARIANTS, build_encoder, build_llm, build_lora
 from trae_groups.engine import EngineConfig, SamplingParams
 from trae_groups.engine.constraints import Constraint
-from trae_groups.engine.protocol import EncodeOptions
+from trae_groups.engine.protocol import EncodeOptions, GenerateRequest
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.nodes import KINDS, GenerateParams, NodeBase
 from trae_groups.graphs.runtime import ModelRuntime
@@ -167,14 +167,23 @@ def run_graph(runtime, dirs, kind: str, options: dict[str, Any], name: str, monk
     inputs = {"text": TEXT, "docs": DOCS} if kind == "rerank" else {"text": TEXT}
     result = asyncio.run(executor.run(inputs))
     monkeypatch.undo()
-    mine = [(a, k) for a, k in calls if k["request_id"] == f"{result.request_id}/n"]
+    mine = [(a, k) for a, k in calls if _request_id(a, k) == f"{result.request_id}/n"]
     assert mine, "the engine received nothing for this request"
     return result, mine
 
 
-def received_params(calls) -> SamplingParams:
+def _request_id(args: tuple, kwargs: dict) -> str:
+    """An LLM worker takes the GenerateRequest whole; an encoder worker, keywords."""
+    return args[0].request_id if isinstance(args[0], GenerateRequest) else kwargs["request_id"]
+
+
+def received_request(calls) -> GenerateRequest:
     ((args, _kwargs),) = calls
-    return args[1]
+    return args[0]
+
+
+def received_params(calls) -> SamplingParams:
+    return received_request(calls).params
 
 
 def received_options(calls) -> list[EncodeOptions]:
@@ -217,8 +226,8 @@ def test_adapter_reaches_the_engine_and_changes_the_text(runtime, dirs, monkeypa
     adapter = NODE_ROWS["generate"]["adapter"]
     base, base_calls = run_graph(runtime, dirs, "generate", {}, "g_base", monkeypatch)
     tuned, calls = run_graph(runtime, dirs, "generate", {"adapter": adapter}, "g_lora", monkeypatch)
-    ((_args, kwargs),) = calls
-    assert kwargs["adapter"] == adapter and base_calls[0][1]["adapter"] is None
+    assert received_request(calls).adapter == adapter
+    assert received_request(base_calls).adapter is None
     assert received_params(calls) == SamplingParams(max_tokens=GENERATE_MAX)
     assert tuned.outputs["out"]["text"] != base.outputs["out"]["text"]
 

@@ -241,7 +241,7 @@ def test_leaving_a_stream_early_aborts_and_frees_pages(client, server, target):
     engine = server.state.runtime.engine
     worker = engine.llms[server.state.graphs["chat"].nodes["answer"].model]
     wait_until(lambda: engine.pool.stats().used_pages == 0, "an idle pool")
-    generated = worker.num_generated
+    generated = worker.counters.generated
     messages = [{"role": "user", "content": "Once upon a time"}]
     with client.chat.completions.create(
         model=target, messages=messages, max_tokens=900, stream=True
@@ -252,5 +252,5 @@ def test_leaving_a_stream_early_aborts_and_frees_pages(client, server, target):
         assert worker.stats()["running"] == 1
     wait_until(lambda: worker.stats()["running"] == 0, "the request to be aborted")
     wait_until(lambda: engine.pool.stats().used_pages == 0, "pages back in the pool")
-    assert worker.num_generated - generated < 900
+    assert worker.counters.generated - generated < 900
     assert server.state.graphs[target if target == "saga" else "alt"].inflight == 0

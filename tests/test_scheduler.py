@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 
+from trae_groups.engine.deadlines import Priority
 from trae_groups.engine.loop import EngineLoop
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.sampling import SamplingParams
-from trae_groups.engine.scheduler import Scheduler
+from trae_groups.engine.scheduler import Scheduler, SchedulerSettings
 from trae_groups.engine.sequence import Sequence, Status
-from trae_groups.engine.worker import Priority, Urgency, Worker
+from trae_groups.engine.worker import Urgency, Worker
 
 
 def seq(n_prompt: int, rid: str = "r", depth: int = 0, arrival: float = 0.0) -> Sequence:
@@ -18,9 +19,8 @@ def seq(n_prompt: int, rid: str = "r", depth: int = 0, arrival: float = 0.0) -> 
 
 
 def scheduler(pages=64, budget=64, max_seqs=8, policy="graph", cache=True) -> Scheduler:
-    return Scheduler(
-        MemoryPool(pages, 1024), "m", 4, max_seqs, budget, "m" if cache else None, policy
-    )
+    settings = SchedulerSettings(4, max_seqs, budget, "m" if cache else None, policy)
+    return Scheduler(MemoryPool(pages, 1024), "m", settings)
 
 
 def run_step(s: Scheduler, token: int = 7) -> None:

@@ -392,7 +392,7 @@ def _llm(server):
 def test_client_leaving_mid_stream_cancels_and_frees_pages(server, client):
     engine, worker = _llm(server)
     wait_until(lambda: engine.pool.stats().used_pages == 0, "an idle pool")
-    generated = worker.num_generated
+    generated = worker.counters.generated
     with client.stream(
         "POST", "/v1/graphs/story", json={"inputs": {"text": "Once upon a time"}, "stream": True}
     ) as response:
@@ -403,14 +403,14 @@ def test_client_leaving_mid_stream_cancels_and_frees_pages(server, client):
     # leaving the block closed the connection mid-stream
     wait_until(lambda: worker.stats()["running"] == 0, "the request to be aborted")
     wait_until(lambda: engine.pool.stats().used_pages == 0, "pages back in the pool")
-    assert worker.num_generated - generated < 900
+    assert worker.counters.generated - generated < 900
     assert server.state.graphs["story"].inflight == 0
 
 
 def test_client_leaving_a_plain_request_cancels_and_frees_pages(server):
     engine, worker = _llm(server)
     wait_until(lambda: engine.pool.stats().used_pages == 0, "an idle pool")
-    generated = worker.num_generated
+    generated = worker.counters.generated
     body = json.dumps({"inputs": {"text": "hello where is my order to paris"}}).encode()
     head = (
         f"POST /v1/graphs/story HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
@@ -421,7 +421,7 @@ def test_client_leaving_a_plain_request_cancels_and_frees_pages(server):
         wait_until(lambda: worker.stats()["running"] == 1, "generation to start")
     wait_until(lambda: worker.stats()["running"] == 0, "the request to be aborted")
     wait_until(lambda: engine.pool.stats().used_pages == 0, "pages back in the pool")
-    assert worker.num_generated - generated < 900
+    assert worker.counters.generated - generated < 900
     assert server.state.graphs["story"].inflight == 0
 
 
@@ -432,7 +432,7 @@ def test_mixed_load_with_faults_loses_nothing_and_leaks_no_pages(server):
     or engine request is left behind and the server still answers."""
     engine, worker = _llm(server)
     wait_until(lambda: engine.pool.stats().used_pages == 0, "an idle pool")
-    generated = worker.num_generated
+    generated = worker.counters.generated
     rng = random.Random(7)
     kinds = ["ok", "ok", "ok", "leave_stream", "drop", "bad_json", "bad_input", "too_big"]
     plan = [[rng.choice(kinds) for _ in range(4)] for _ in range(32)]
@@ -481,7 +481,7 @@ def test_mixed_load_with_faults_loses_nothing_and_leaks_no_pages(server):
     wait_until(lambda: engine.pool.stats().used_pages == 0, "every page back in the pool")
     # the story graph asks for 900 tokens: left and dropped requests were aborted early
     gone = seen["leave_stream"] + seen["drop"] + seen["dropped"]
-    assert worker.num_generated - generated < 6 * seen["ok"] + 450 * gone
+    assert worker.counters.generated - generated < 6 * seen["ok"] + 450 * gone
     after = httpx.post(
         f"{server.url}/v1/graphs/support", json={"inputs": {"text": "hi"}}, timeout=120
     )

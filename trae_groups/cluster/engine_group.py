@@ -1,5 +1,5 @@
-"""One engine replica: a runtime (one loop, one paged pool, one weight store) holding
-the models of one engine group of one graph, served through its methods.
+"""One engine replica: an engine host (one loop, one paged pool, one weight store)
+holding the models of one engine group of one graph, served through its methods.
 
 Methods take the engine protocol's own request objects (engine/protocol.py) and a
 (model, version) key. ``generate`` streams ``GenerationChunk`` deltas, grouped every
@@ -30,7 +30,7 @@ from trae_groups.engine.protocol import (
     ModelClient,
 )
 from trae_groups.graphs.loader import load_graph_text
-from trae_groups.graphs.runtime import ModelRuntime, settle_heap
+from trae_groups.graphs.runtime import host_for, load_clients, settle_heap
 
 log = logging.getLogger("trae_groups.cluster")
 
@@ -55,15 +55,13 @@ class EngineGroup:
         names = [m for m, g in placed.items() if g == group]
         self.group = group
         self.chunk_interval_s = chunk_interval_s
-        self.runtime = ModelRuntime.for_specs([spec], engine)
-        self.clients: dict[tuple[str, str], ModelClient] = dict(
-            self.runtime.load_models(spec, names)
-        )
-        self.runtime.start()
+        self.host = host_for([spec], engine)
+        self.clients: dict[tuple[str, str], ModelClient] = load_clients(self.host, spec, names)
+        self.host.start()
         settle_heap()
         self.replica = _replica_id()
         self._busy_mark = (0.0, time.monotonic())
-        self._poster = Poster(app, self.replica, group, self.runtime.stats)
+        self._poster = Poster(app, self.replica, group, self.host.stats)
         log.info("engine group %r: %s on replica %s", group, sorted(self.clients), self.replica)
 
     # -- what the ingress asks ---------------------------------------------------------
@@ -75,7 +73,7 @@ class EngineGroup:
         return os.getpid()
 
     def stats(self) -> EngineStats:
-        return self.runtime.stats()
+        return self.host.stats()
 
     async def encode(self, key: tuple[str, str], request: EncodeRequest) -> dict[str, Any]:
         return await self._client(key).encode(request)
@@ -133,7 +131,7 @@ class EngineGroup:
     def record_autoscaling_stats(self) -> dict[str, float]:
         """What the autoscaling policy reads (cluster/autoscaling.py): pending work now,
         and the share of time the engine loop was busy since the previous call."""
-        stats = self.runtime.stats()
+        stats = self.host.stats()
         now = time.monotonic()
         busy, since = self._busy_mark
         self._busy_mark = (stats.busy_seconds, now)
@@ -141,13 +139,13 @@ class EngineGroup:
         return {"pending": float(stats.pending), "utilization": min(1.0, max(0.0, share))}
 
     def check_health(self) -> None:
-        if not self.runtime.engine.loop.running:
+        if not self.host.running:
             raise RuntimeError("the engine loop is not running")
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._poster.stop()
-            self.runtime.shutdown()
+            self.host.shutdown()
 
     def _client(self, key: tuple[str, str]) -> ModelClient:
         client = self.clients.get(tuple(key))

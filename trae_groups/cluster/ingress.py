@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 
@@ -26,6 +26,9 @@ from trae_groups.graphs.routing import RouteError, VersionedModel, check_split
 from trae_groups.graphs.spec import GraphSpec
 from trae_groups.serving.app_state import ServerConfig
 from trae_groups.serving.server import create_app
+
+if TYPE_CHECKING:
+    from trae_groups.graphs.runtime import Runtime
 
 log = logging.getLogger("trae_groups.cluster")
 #: How long a read of the stats board may take before the last posts stand in.
@@ -139,7 +142,7 @@ class Ingress:
             load_graph_text(text, name, Path(base) if base else None) for text, name, base in graphs
         ]
         self.server = server
-        self.runtime = RemoteRuntime(handles, app)
+        self.runtime: Runtime = RemoteRuntime(handles, app)
 
     def __serve_build_asgi_app__(self) -> Any:
         return create_app(self.specs, self.server, runtime=lambda specs, engine: self.runtime)

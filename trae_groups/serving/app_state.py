@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -29,6 +29,9 @@ from trae_groups.graphs.spec import GraphSpec, PythonNode
 from trae_groups.serving.admission import NodeTimes, ServiceRate
 from trae_groups.serving.http_errors import not_found, unavailable
 from trae_groups.serving.metrics import Metrics, NodeInfo
+
+if TYPE_CHECKING:
+    from trae_groups.graphs.runtime import Runtime
 
 log = logging.getLogger("trae_groups.server")  # unchanged by the move to serving/
 
@@ -169,7 +172,7 @@ class AppState:
         self,
         graphs: list[tuple[GraphSpec, Path | None]],
         config: ServerConfig,
-        runtime: Callable[[list[GraphSpec], EngineConfig], Any] | None = None,
+        runtime: Callable[[list[GraphSpec], EngineConfig], Runtime] | None = None,
     ):
         """``runtime(specs, engine_config)`` makes what holds the models: by default a
         ModelRuntime in this process; on Ray, the cluster's engine groups."""
@@ -183,7 +186,7 @@ class AppState:
             self.graphs[spec.name] = ServedGraph(
                 spec.name, compile_graph(spec), path, config.limit_for(spec.name)
             )
-        self.runtime: Any = None
+        self.runtime: Runtime | None = None
         self.ready = False
         self.draining = False
         self.load_error: str | None = None

@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from trae_groups.engine.constraints import Constraint
-from trae_groups.engine.deadlines import tightest
+from trae_groups.engine.deadlines import Priority, tightest
 from trae_groups.engine.errors import DeadlineExceeded
 from trae_groups.engine.protocol import (
     EncodeOptions,
@@ -54,7 +54,6 @@ from trae_groups.engine.protocol import (
     new_request_id,
 )
 from trae_groups.engine.sampling import SamplingParams
-from trae_groups.engine.worker import Priority
 from trae_groups.graphs.errors import first_error
 from trae_groups.graphs.executor import RunResult
 from trae_groups.graphs.spec import GenerateNode, GraphSpec
