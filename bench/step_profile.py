@@ -55,12 +55,13 @@ def build_engine(model_dir: str, dtype: str, compile_: bool, batch_sizes: list[i
 def fill(worker, batch: int, vocab: int, prompt_len: int = 64) -> None:
     """B running sequences, prefilled, each with a long way to go."""
     from trae_groups.engine import SamplingParams
+    from trae_groups.engine.protocol import GenerateRequest
 
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=100_000, ignore_eos=True)
     for i in range(batch):
         prompt = torch.randint(3, vocab, (prompt_len,), generator=gen).tolist()
-        worker.submit(prompt, params, request_id=f"p{i}", sink=lambda out: None)
+        worker.submit(GenerateRequest(f"p{i}", params, prompt=tuple(prompt)), lambda out: None)
     while worker.scheduler.waiting or any(s.num_computed < prompt_len for s in _running(worker)):
         worker.step()
     for _ in range(3):  # the first decode steps of a shape are slower (oneDNN primitives)
