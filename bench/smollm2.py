@@ -8,8 +8,7 @@ The folder comes from the demo's own conversion (trae_groups/demo/dialog.py: GGU
 safetensors, checked against the GGUF logits), cached under --model-dir. For each dtype and
 batch size, the peers run alternately, ``--repeats`` rounds (median, and the spread):
 transformers ``generate`` (sdpa, left padding at batch 16), our engine eager (with
---sdpa-before, in bf16 also with decode attention through SDPA, as before the matmul decode
-path) and, unless --no-compile, our engine with ``EngineConfig(compile=True)`` (its start-up
+--hf-forward, also on transformers' forward, as before our flat forward) and, unless --no-compile, our engine with ``EngineConfig(compile=True)`` (its start-up
 compile time is printed). Greedy, eos off, 64-token random prompts, ``--new`` tokens. Two figures per peer:
 whole requests (prefill included), and decode alone: the time of ``--new`` tokens minus the
 time of one token (prefill and the first token), over ``--new`` - 1 steps, both timed in the
@@ -73,16 +72,16 @@ class Transformers:
 
 
 class Engine:
-    def __init__(self, folder: Path, dtype: str, compile_: bool, batch: int, sdpa=False):
+    def __init__(self, folder: Path, dtype: str, compile_: bool, batch: int, hf_forward=False):
         from trae_groups.engine import EngineConfig, LLMEngine
 
         self.name = "trae-groups engine" + (", compiled" if compile_ else "")
-        self.name += ", SDPA decode (before)" if sdpa else ""
-        self.sdpa = sdpa
+        self.name += ", transformers' forward (before)" if hf_forward else ""
         sizes = {"compile_batch_sizes": (batch,)} if compile_ else {}
         config = EngineConfig(
-            dtype=dtype, pool_bytes=256 << 20, max_num_seqs=max(batch, 1), compile=compile_, **sizes
-        )
+            dtype=dtype, pool_bytes=256 << 20, max_num_seqs=max(batch, 1), compile=compile_,
+            model_forward="transformers" if hf_forward else "auto", **sizes,
+        )  # fmt: skip
         start = time.perf_counter()
         self.engine = LLMEngine({"m": str(folder)}, config)
         self.engine.size_pool()  # the compiled sizes are built here (start() does it first)
@@ -92,15 +91,9 @@ class Engine:
 
     def __call__(self, prompts: list[list[int]], new: int) -> list[list[int]]:
         from trae_groups.engine import SamplingParams
-        from trae_groups.kernels import attention
 
         self.engine.pool.clear_cache()
-        low = attention._LOW_PRECISION
-        attention._LOW_PRECISION = () if self.sdpa else low  # bf16 decode as before this change
-        try:
-            outs = self.engine.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))
-        finally:
-            attention._LOW_PRECISION = low
+        outs = self.engine.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))
         return [o.token_ids for o in outs]
 
 
@@ -137,8 +130,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument(
-        "--sdpa-before", action="store_true", help="bf16: also eager with SDPA decode attention"
-    )
+        "--hf-forward", action="store_true",
+        help="also our engine on transformers' forward (EngineConfig(model_forward='transformers'))",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     peers.quiet_known_warnings()
@@ -157,8 +151,8 @@ def main() -> None:
             vocab = hf.model.config.vocab_size
             prompts = [torch.randint(3, vocab, (64,), generator=gen).tolist() for _ in range(batch)]
             ours = [Engine(folder, dtype, False, batch)]
-            if dtype != "float32" and args.sdpa_before:
-                ours.append(Engine(folder, dtype, False, batch, sdpa=True))
+            if args.hf_forward:
+                ours.append(Engine(folder, dtype, False, batch, hf_forward=True))
             if not args.no_compile:
                 ours.append(Engine(folder, dtype, True, batch))
             results = measure([hf, *ours], prompts, args.new, args.repeats)

@@ -3,6 +3,7 @@
     .venv/bin/python bench/step_profile.py                       # synthetic bench model, fp32
     .venv/bin/python bench/step_profile.py --dtype bfloat16 --batch 1 32
     .venv/bin/python bench/step_profile.py --model /path/to/smollm2   # any transformers folder
+    .venv/bin/python bench/step_profile.py --forward auto   # only our flat forward (default: both)
 
 Method. B requests (64-token prompts, no eos) are prefilled through the engine's worker, then
 decode steps are timed twice, with the worker's own ``step()``:
@@ -40,13 +41,16 @@ LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::linear", "aten::addmm", "aten:
 CATEGORIES = ("linears", "attention", "norms", "other ops", "python/dispatch")
 
 
-def build_engine(model_dir: str, dtype: str, compile_: bool, batch_sizes: list[int]):
+def build_engine(
+    model_dir: str, dtype: str, compile_: bool, batch_sizes: list[int], forward: str = "auto"
+):
     from trae_groups.engine import EngineConfig, LLMEngine
 
     extra = {"compile": True, "compile_batch_sizes": tuple(batch_sizes)} if compile_ else {}
     config = EngineConfig(
-        dtype=dtype, pool_bytes=512 << 20, max_num_seqs=64, max_num_batched_tokens=1024, **extra
-    )
+        dtype=dtype, pool_bytes=512 << 20, max_num_seqs=64, max_num_batched_tokens=1024,
+        model_forward=forward, **extra,
+    )  # fmt: skip
     engine = LLMEngine({"m": model_dir}, config)
     engine.size_pool()  # what start() does first: the pool is final, compiled sizes are built
     return engine, engine.llm("m")
@@ -172,7 +176,7 @@ def _category(ev) -> str | None:
         return None
     if ev.name == "trae::attention":
         return "attention"
-    if ev.name == "trae::norm":
+    if ev.name in ("trae::norm", "aten::rms_norm"):  # modules (transformers), the op (ours)
         return "norms"
     if "::" not in ev.name or ev.name.startswith("trae::"):
         return None
@@ -189,8 +193,10 @@ def wrap_forward(worker) -> None:
     worker.runner.run = ranged
 
 
-def profile_one(model_dir: str, dtype: str, batch: int, steps: int, compile_: bool) -> dict:
-    engine, worker = build_engine(model_dir, dtype, compile_, [batch])
+def profile_one(
+    model_dir: str, dtype: str, batch: int, steps: int, compile_: bool, forward: str
+) -> dict:
+    engine, worker = build_engine(model_dir, dtype, compile_, [batch], forward)
     vocab = worker.model.config.get_text_config().vocab_size
     fill(worker, batch, vocab)
     wrap_forward(worker)
@@ -227,13 +233,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="EngineConfig(compile=True)")
     parser.add_argument(
-        "--sdpa-decode", action="store_true", help="bf16 decode attention through SDPA (as before)"
-    )
+        "--forward", nargs="+", default=["auto", "transformers"],
+        help="EngineConfig.model_forward: ours (auto) and/or transformers'",
+    )  # fmt: skip
     args = parser.parse_args()
-    if args.sdpa_decode:
-        from trae_groups.kernels import attention
-
-        attention._LOW_PRECISION = ()
     torch.set_num_threads(args.threads)
     if args.model is None:
         import peers
@@ -243,8 +246,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}")
     for dtype in args.dtype:
         for batch in args.batch:
-            res = profile_one(args.model, dtype, batch, args.steps, args.compile)
-            report(f"{dtype} batch {batch}", res)
+            for forward in args.forward:
+                res = profile_one(args.model, dtype, batch, args.steps, args.compile, forward)
+                report(f"{dtype} batch {batch} forward {forward}", res)
 
 
 if __name__ == "__main__":

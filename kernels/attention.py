@@ -145,8 +145,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """query [T, heads, dim]; key/value [T, kv_heads, dim] (new tokens, already stored).
 
-    Returns [T, heads, dim]. GQA/MQA through SDPA's ``enable_gqa`` (bf16/fp16 decodes:
-    grouped matmuls, ``_decode_matmul``).
+    Returns [T, heads, dim]. GQA/MQA through SDPA's ``enable_gqa``.
     """
     out = torch.empty_like(query)
     nd = batch.num_decodes
@@ -161,14 +160,11 @@ def paged_attention(
             nd, n_pages * batch.tokens_per_page, *v_cache.shape[2:]
         )
         mask = batch.decode_mask(sliding_window)
-        if query.dtype in _LOW_PRECISION:
-            out[:nd] = _decode_matmul(query[:nd], k, v, mask, scale)
-        else:
-            q = query[:nd].unsqueeze(2)  # [nd, heads, 1, dim]
-            o = F.scaled_dot_product_attention(
-                q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=gqa
-            )
-            out[:nd] = o.squeeze(2)
+        q = query[:nd].unsqueeze(2)  # [nd, heads, 1, dim]
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=gqa
+        )
+        out[:nd] = o.squeeze(2)
     if nd < batch.num_seqs:
         plan = batch.prefill_plan(sliding_window)
         if plan is None:
@@ -179,10 +175,11 @@ def paged_attention(
     return out
 
 
-# SDPA's CPU kernels take a slow path for bf16/fp16 one-token queries with a mask: at decode
-# batch 32 (8 heads, 4 KV heads, 144 keys) ~12 ms per layer in bf16 against ~0.9 ms in fp32.
-# Two batched matmuls with a float32 softmax take ~0.5 ms there.
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
+# Decode attention is SDPA in every dtype. An earlier torch took a slow path for bf16/fp16
+# one-token queries with a mask (~12 ms a layer at batch 32), so bf16/fp16 decodes ran as two
+# matmuls with a float32 softmax (``_decode_matmul``, still what CUDA-graph references use).
+# On torch 2.13 SDPA is the faster one in both dtypes (SmolLM2's shapes, 176 keys, bf16: 35 vs
+# 126 us at batch 1, 0.65 vs 1.2 ms at batch 32; fp32 37 vs 47 us and 1.0 vs 2.1 ms).
 
 
 def _decode_matmul(q, k, v, mask, scale) -> torch.Tensor:

@@ -6,15 +6,13 @@ besides the linears. Here the mask comes in as an argument (the
 graph computes it from the context lengths, fused by inductor) and the padding count as a
 one-element tensor, so a call is the store, one gather per cache and the attention proper:
 ~45-55 us at batch 1 (bench: docs/performance.md). The numbers are the reference kernel's: the
-same SDPA call (float32) or grouped matmuls (bf16/fp16), on the same gathered pages.
+same SDPA call in every dtype, on the same gathered pages.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from trae_groups.kernels.attention import _LOW_PRECISION, _decode_matmul
 
 
 def decode_mask(context_lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor:
@@ -59,18 +57,16 @@ def compiled_decode_attention(
     keys = block_tables.shape[1] * k_cache.shape[1]
     k = k_cache.index_select(0, pages).view(n, keys, *kv_shape)
     v = v_cache.index_select(0, pages).view(n, keys, *kv_shape)
-    if query.dtype in _LOW_PRECISION:
-        out[:n] = _decode_matmul(query[:n], k, v, mask[:n], scale)
-    else:
-        o = F.scaled_dot_product_attention(
-            query[:n].unsqueeze(2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask[:n],
-            scale=scale,
-            enable_gqa=query.shape[1] != kv_shape[0],
-        )
-        out[:n] = o.squeeze(2)
+    # SDPA in every dtype, as the reference kernel (kernels/attention.py)
+    o = F.scaled_dot_product_attention(
+        query[:n].unsqueeze(2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:n],
+        scale=scale,
+        enable_gqa=query.shape[1] != kv_shape[0],
+    )
+    out[:n] = o.squeeze(2)
     return out
 
 
