@@ -602,7 +602,11 @@ def _graph_engine_tokens(model_dir: str, backend: str, graphs: bool) -> list[lis
 
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (9, 30, 17)]
-    config = EngineConfig(pool_bytes=4 << 20, fast_linear=False, attention_backend=backend)
+    # graphs capture transformers' forward (what GPUs run): the CPU flat forward stays off
+    config = EngineConfig(
+        pool_bytes=4 << 20, fast_linear=False, attention_backend=backend,
+        model_forward="transformers",
+    )  # fmt: skip
     with LLMEngine({"m": model_dir}, config) as engine:
         engine.pool.buffer.fill_(0xFF)  # NaN in every byte, as in the eager engine test
         runner = engine.llms["m"].runner
