@@ -1,8 +1,8 @@
 """Our engine against vLLM's CPU backend and transformers ``generate``: one folder, same run.
 
-    # vLLM's CPU build lives in a venv of its own (docs: /work/shared/VLLM-CPU.md); this script
+    # vLLM's CPU build lives in a venv of its own (its recipe: docs/performance.md); this script
     # installs nothing, it only runs that venv's python
-    .venv/bin/python bench/vs_vllm.py --vllm-python /work/peer/PEER/bin/python
+    .venv/bin/python bench/vs_vllm.py --vllm-python PEER/bin/python
     .venv/bin/python bench/vs_vllm.py --vllm-python PEER/bin/python --quick      # smoke test
     .venv/bin/python bench/vs_vllm.py --vllm-python PEER/bin/python --dtypes float32 \\
         --shapes 1x100 32x100 --rounds 5 --engines trae vllm
@@ -320,7 +320,7 @@ class Worker:
             stderr=self._log_file,
             env=env,
             # not the repo root: vLLM inspects the model in a subprocess that imports from its
-            # cwd, and transformers there probes a package "kernels" (ours is /work/main/kernels)
+            # cwd, and transformers there probes a package "kernels" (ours: kernels/ at the repo root)
             cwd=str(log.parent),
             text=True,
             start_new_session=True,  # its own process group: a hung one is killed whole
