@@ -34,7 +34,7 @@ from torch import nn
 
 from trae_groups.kernels import AttentionBackend, PagedBatch
 
-# model_type -> how a layer's sliding window is found (None: never windowed)
+# the model_type values whose layers this forward implements
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -86,11 +86,11 @@ class _Concat(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
 
-def fuse(parent: nn.Module, names: tuple[str, ...], pack) -> nn.Module:
+def fuse(parent: nn.Module, names: tuple[str, ...]) -> nn.Module:
     """Replace ``parent``'s linears ``names`` by slices of one fused projection; return it."""
     parts = [getattr(parent, n) for n in names]
     same = all(type(p) is nn.Linear for p in parts) and len({p.weight.dtype for p in parts}) == 1
-    fused = pack(_linear_parts(parts)) if same else _Concat(parts)
+    fused = _linear_parts(parts) if same else _Concat(parts)
     start = 0
     for name, part in zip(names, parts, strict=True):
         setattr(parent, name, FusedSlice(part.in_features, start, start + part.out_features))
@@ -146,7 +146,7 @@ class _Layer:
 class FlatForward(nn.Module):
     """The forward of a Llama-family decoder over a flat paged batch (module docstring)."""
 
-    def __init__(self, model: nn.Module, pack=lambda linear: linear):
+    def __init__(self, model: nn.Module):
         super().__init__()
         config = model.config.get_text_config()
         self.kind = config.model_type
@@ -161,8 +161,8 @@ class FlatForward(nn.Module):
         self._layers: list[_Layer] = []
         for block in base.layers:
             attn, mlp = block.self_attn, block.mlp
-            qkv = fuse(attn, ("q_proj", "k_proj", "v_proj"), pack)
-            gate_up = fuse(mlp, ("gate_proj", "up_proj"), pack)
+            qkv = fuse(attn, ("q_proj", "k_proj", "v_proj"))
+            gate_up = fuse(mlp, ("gate_proj", "up_proj"))
             self.qkv.append(qkv)
             self.gate_up.append(gate_up)
             window = getattr(attn, "sliding_window", None)

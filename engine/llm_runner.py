@@ -114,31 +114,23 @@ class DecodeInputs(NamedTuple):
 
 
 def _compiled_decode_attention(module, query, key, value, scaling, kwargs, d: DecodeInputs):
-    layer = module.layer_idx
+    """transformers' attention signature over a compiled decode step's inputs."""
     q = query[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    k_cache, v_cache = d.k_caches[layer], d.v_caches[layer]
-    page = k_cache.shape[1]
-    # index math and mask in the graph (inductor fuses them); the op only moves and multiplies
-    mask = decode_mask(d.context_lens, d.block_tables.shape[1] * page, kwargs.get("sliding_window"))
-    out = torch.ops.trae.compiled_decode_attention(
+    out = _compiled_attend(d)(
+        module.layer_idx,
         q,
         key[0].transpose(0, 1),
         value[0].transpose(0, 1),
-        k_cache,
-        v_cache,
-        d.slot_mapping // page,
-        d.slot_mapping % page,
-        d.block_tables,
-        mask,
-        d.num_real,
+        kwargs.get("sliding_window"),
         scale,
     )
     return out.unsqueeze(0), None
 
 
 def _compiled_attend(d: DecodeInputs) -> Attend:
-    """The flat forward's attention in a compiled decode step: the same op as above."""
+    """A compiled decode step's attention (our flat forward calls it directly): index math
+    and mask in the graph (inductor fuses them); the op only stores, gathers and attends."""
 
     def attend(layer: int, q, k, v, window: int | None, scale: float) -> torch.Tensor:
         k_cache, v_cache = d.k_caches[layer], d.v_caches[layer]
