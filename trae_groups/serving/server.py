@@ -136,10 +136,9 @@ def _live_routes(served: Any, spec: GraphSpec) -> list[str]:
     return changed
 
 
-async def route_model(request: Request) -> Response:
-    """GET: a model's split between its versions; POST ``{"split": "v1:90%,v2:10%"}``
-    (or ``{"split": {"v1": 90, "v2": 10}}``): change it for requests from now on.
-    A reload then refuses to drop it (see ``reload_graph``)."""
+def _admin_model(request: Request):
+    """An admin request's state, graph, model name and versioned model: the admin token and
+    readiness checked first, then 404 for a model the graph does not have."""
     state: AppState = request.app.state.trae
     check_admin(request, state)
     served = state.graph(request.path_params["name"])
@@ -148,6 +147,14 @@ async def route_model(request: Request) -> Response:
     versioned = served.executor.models.get(model)
     if versioned is None:
         raise not_found(f"graph '{served.name}' has no model '{model}'", field="model")
+    return state, served, model, versioned
+
+
+async def route_model(request: Request) -> Response:
+    """GET: a model's split between its versions; POST ``{"split": "v1:90%,v2:10%"}``
+    (or ``{"split": {"v1": 90, "v2": 10}}``): change it for requests from now on.
+    A reload then refuses to drop it (see ``reload_graph``)."""
+    state, served, model, versioned = _admin_model(request)
     if request.method == "POST":
         body = await read_json(request, state.config.max_body_bytes)
         split = body.get("split") if isinstance(body, dict) else None
@@ -182,14 +189,7 @@ async def model_versions(request: Request) -> Response:
     a version that is a LoRA adapter on the model's base. DELETE ``.../versions/{version}``: unload a
     version no route uses, freeing its memory. A missing or corrupt folder is refused
     (422) and the server keeps serving."""
-    state: AppState = request.app.state.trae
-    check_admin(request, state)
-    served = state.graph(request.path_params["name"])
-    state.require_ready()
-    model = request.path_params["model"]
-    versioned = served.executor.models.get(model)
-    if versioned is None:
-        raise not_found(f"graph '{served.name}' has no model '{model}'", field="model")
+    state, served, model, versioned = _admin_model(request)
     async with served.reload_lock:
         if request.method == "DELETE":
             version = request.path_params["version"]
