@@ -1,14 +1,16 @@
-"""Runs transformers' own causal-LM classes over our paged KV memory.
+"""Runs a causal LM's steps over our paged KV memory.
 
-No model code of ours: the model is loaded with ``attn_implementation="trae_paged"``,
-an attention function registered with transformers' ``AttentionInterface``. Each step
-is one forward over the flattened batch (decodes first, then prefill chunks); the
-step's ``StepContext`` reaches every attention layer as a keyword argument, and
-logits are computed only at the rows that sample.
+On CPU a model of a family ``engine/flat_forward.py`` implements (Llama, Mistral, Qwen2,
+Qwen3) runs on that forward (``prepare_forward`` fuses and packs it at load). Any other
+model runs transformers' own class, loaded with ``attn_implementation="trae_paged"``, an
+attention function registered with transformers' ``AttentionInterface``. Either way each
+step is one forward over the flattened batch (decodes first, then prefill chunks); the
+step's attention inputs reach every layer explicitly (never a global), and logits are
+computed only at the rows that sample.
 
 Optionally (``EngineConfig(compile=True)``, CPU) steps that are decodes only run through
-``CompiledDecode``: the same transformers model under torch.compile, the batch padded up to
-one of a few fixed sizes compiled at start-up, attention as one custom op
+``CompiledDecode``: the same forward under torch.compile, the batch padded up to one of a
+few fixed sizes compiled at start-up, attention as one custom op
 (``torch.ops.trae.compiled_decode_attention``), the packed linears as direct oneDNN calls.
 Every other step (prefill chunks, mixed steps, batches above the largest size) runs eagerly.
 """
