@@ -219,13 +219,15 @@ class FlatForward(nn.Module):
         attn = layer.block.self_attn
         if lora_active:
             _slice_updates(attn, ("q_proj", "k_proj", "v_proj"), x, qkv)
-        t, d = qkv.shape[0], self.head_dim
-        q = qkv[:, : layer.q_size].view(t, self.heads, d)
-        k = qkv[:, layer.q_size : layer.q_size + layer.kv_size].view(t, self.kv_heads, d)
-        v = qkv[:, layer.q_size + layer.kv_size :].view(t, self.kv_heads, d)
+        t, d, qk_size = qkv.shape[0], self.head_dim, layer.q_size + layer.kv_size
+        v = qkv[:, qk_size:].view(t, self.kv_heads, d)
         if self.kind == "qwen3":  # RMSNorm over each head, before rotary
-            q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q = _rms_norm(qkv[:, : layer.q_size].view(t, self.heads, d), attn.q_norm)
+            k = _rms_norm(qkv[:, layer.q_size : qk_size].view(t, self.kv_heads, d), attn.k_norm)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        else:  # q and k sit side by side in the fused output: one rotation for both
+            qk = _rotate(qkv[:, :qk_size].view(t, self.heads + self.kv_heads, d), cos, sin)
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
         out = attend(i, q, k, v, layer.window, self.scale)
         return attn.o_proj(out.reshape(t, layer.q_size))
 

@@ -147,9 +147,10 @@ def paged_attention(
 
     Returns [T, heads, dim]. GQA/MQA through SDPA's ``enable_gqa``.
     """
-    out = torch.empty_like(query)
     nd = batch.num_decodes
     gqa = query.shape[1] != k_cache.shape[2]
+    # a decode-only step (most steps) returns SDPA's output as it is: no copy into ``out``
+    out = None if nd == batch.num_seqs else torch.empty_like(query)
     if nd:
         n_pages = batch.block_tables.shape[1]
         tables = batch.block_tables[:nd].reshape(-1)
@@ -164,6 +165,8 @@ def paged_attention(
         o = F.scaled_dot_product_attention(
             q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=gqa
         )
+        if out is None:
+            return o.squeeze(2)
         out[:nd] = o.squeeze(2)
     if nd < batch.num_seqs:
         plan = batch.prefill_plan(sliding_window)
