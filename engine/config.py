@@ -12,6 +12,10 @@ from trae_groups.engine.deadlines import POLICIES
 from trae_groups.kernels.kv_quant import KV_STORAGE
 
 DEFAULT_LOAD_WAIT_S = 60.0
+# A decode step of the demo's model is ~35-45 ms on 2 CPU cores: a step held near 100 ms lets
+# a prompt beside running streams use about half of each step, and keeps a short chat behind a
+# long prompt within about twice its time alone (bench/long_prefill.py)
+DEFAULT_STEP_TIME_TARGET_MS = 100.0
 # The share of a GPU's memory the process may fill (weights, pool, everything): vLLM's
 # gpu_memory_utilization default. The rest is headroom for activations and other processes.
 DEFAULT_GPU_MEMORY_RESERVATION = 0.9
@@ -42,6 +46,12 @@ class EngineConfig:
     # while other requests wait, one prompt chunk takes at most this many tokens of a
     # step, so a long prompt never keeps them out; None: max_num_batched_tokens // 4
     long_prefill_token_threshold: int | None = None
+    # while sequences decode, a step carries only the prompt tokens that keep it near this
+    # many milliseconds (the model's step cost is measured as it runs, engine/step_cost.py),
+    # so a long prompt slows the streams beside it by a bounded factor; None: a prompt chunk
+    # beside decodes may take the whole budget. Offline ``generate()`` (no loop thread, no
+    # one streaming) never holds prompts back: there, throughput is all that counts
+    step_time_target_ms: float | None = DEFAULT_STEP_TIME_TARGET_MS
     max_prompt_tokens: int | None = None  # longer prompts are refused; None: max_model_len - 1
     max_tokens_limit: int | None = None  # a request asking to generate more is refused
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -109,6 +119,8 @@ class EngineConfig:
             )
         if self.scheduling not in POLICIES:
             raise ValueError(f"scheduling: must be one of {POLICIES}, got {self.scheduling!r}")
+        if self.step_time_target_ms is not None and not self.step_time_target_ms > 0:
+            raise ValueError("step_time_target_ms: must be > 0 (or None)")
         if self.max_lora_rank < 1:
             raise ValueError("max_lora_rank: must be >= 1")
         if not self.compile_batch_sizes or min(self.compile_batch_sizes) < 1:
@@ -126,6 +138,10 @@ class EngineConfig:
         if self.long_prefill_token_threshold is not None:
             return self.long_prefill_token_threshold
         return max(1, self.max_num_batched_tokens // 4)
+
+    @property
+    def step_target_s(self) -> float | None:
+        return None if self.step_time_target_ms is None else self.step_time_target_ms / 1000
 
     @property
     def load_wait(self) -> float:

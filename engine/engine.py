@@ -373,8 +373,13 @@ class LLMEngine:
                 worker = client.worker
                 self.loop.run_until(lambda: not worker.scheduler.has_work() and worker.idle)
             raise
-        if inline:
-            self.loop.run_until(done.is_set)
+        if inline:  # nobody streams these: the steps may be as long as throughput wants
+            scheduler = client.worker.scheduler
+            scheduler.hold_prompts = False
+            try:
+                self.loop.run_until(done.is_set)
+            finally:
+                scheduler.hold_prompts = True
         elif prompts:
             done.wait()
         return [results[i] for i in range(len(prompts))]

@@ -277,6 +277,7 @@ class LLMWorker(Worker):
             sched.decodes.sort(key=lambda item: slot(item.seq.adapter))
             sched.prefills.sort(key=lambda item: slot(item.seq.adapter))
         self._note_first_scheduled(sched)
+        started = time.perf_counter()
         try:
             inputs = self.runner.prepare(sched)
             logits = self.runner.run(inputs)
@@ -297,6 +298,10 @@ class LLMWorker(Worker):
             self.runner.lora.touch(i.seq.adapter for i in sched.scheduled if i.seq.adapter)
         self.counters.step(sched.num_tokens)
         self._postprocess(sched, sampling, result)
+        prompt_tokens = sum(item.num_new for item in sched.prefills)
+        self.scheduler.cost.observe(
+            len(sched.decodes), prompt_tokens, time.perf_counter() - started
+        )
 
     def _note_first_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()

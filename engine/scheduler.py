@@ -6,7 +6,9 @@ by rank (engine/deadlines.py: earliest deadline, then deeper in their DAG, then
 older) while the token budget and ``max_num_seqs`` allow. Long prompts are split across steps (chunked prefill); while
 others wait, a prompt chunk takes at most ``long_prefill_tokens`` so that the waiting
 ones are admitted in the same step, and whatever budget admission leaves goes back to
-those capped chunks. Out of pages, the most recently admitted sequence is preempted:
+those capped chunks. While sequences decode, the step's prompt tokens are held to what keeps
+the step near ``step_target_s`` (the model's own measured step cost, engine/step_cost.py),
+so a long prompt cannot make every running decode wait for a whole-budget chunk. Out of pages, the most recently admitted sequence is preempted:
 its pages go back (full ones stay in the prefix cache) and it is recomputed later from
 its tokens, so its output does not change. A waiting sequence that cannot run yet (its
 LoRA adapter has no slot, ``admissible``) is passed over, not waited on.
@@ -22,6 +24,11 @@ from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.deadlines import expired, rank
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.sequence import Sequence, Status
+from trae_groups.engine.step_cost import StepCost
+
+# prompt tokens a step beside decodes carries at least, however slow the step: a long
+# prompt always moves on
+MIN_PROMPT_CHUNK = 32
 
 
 @dataclass
@@ -62,6 +69,7 @@ class SchedulerSettings:
     policy: str = "deadline"
     zero_pages: bool = True  # what the attention backend needs of new pages
     long_prefill_tokens: int | None = None  # None: a chunk may take the whole budget
+    step_target_s: float | None = None  # None: prompt chunks beside decodes are not held
 
     @classmethod
     def from_config(
@@ -75,6 +83,7 @@ class SchedulerSettings:
             policy=config.scheduling,
             zero_pages=zero_pages,
             long_prefill_tokens=config.long_prefill_tokens,
+            step_target_s=config.step_target_s,
         )
 
 
@@ -97,6 +106,9 @@ class Scheduler:
         self.max_num_seqs = settings.max_num_seqs
         self.max_num_batched_tokens = settings.max_num_batched_tokens
         self.cache_key = settings.cache_key
+        self.step_target_s = settings.step_target_s
+        self.hold_prompts = True  # offline generate() turns it off (engine.py)
+        self.cost = StepCost()  # the worker reports every step's size and time
         self.waiting: list[Sequence] = []  # sorted by _rank
         self.running: list[Sequence] = []  # admission order
         self._admissions = 0
@@ -122,6 +134,8 @@ class Scheduler:
         capped: list[ScheduledSeq] = []  # prompt chunks cut short to let others in
         budget = self.max_num_batched_tokens
         decodes_left = sum(1 for s in self.running if s.is_decode)
+        cap = self._prompt_cap(decodes_left)
+        prompt_left = budget if cap is None else cap
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -131,14 +145,21 @@ class Scheduler:
                 decodes_left -= 1
                 num_new = 1
             else:  # a prompt chunk leaves room for the decodes behind it
-                num_new = self._chunk(seq, budget - decodes_left, bool(self.waiting))
+                room = min(budget - decodes_left, prompt_left)
+                if cap is not None and self.waiting:  # held: share it with the waiting
+                    room = min(room, max(prompt_left // 2, 1))
+                num_new = self._chunk(seq, room, bool(self.waiting))
                 if num_new == 0:
                     continue
+                prompt_left -= num_new
             if not self._reserve_or_preempt(seq, num_new, out):
                 continue
             self._add_to(out, seq, num_new, capped)
             budget -= num_new
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (
+            self.waiting and budget > 0 and prompt_left > 0
+            and len(self.running) < self.max_num_seqs
+        ):  # fmt: skip
             if out.preempted:  # memory is tight: let the running ones finish first
                 break
             seq = self._next_admissible()
@@ -146,7 +167,7 @@ class Scheduler:
                 break
             if seq.num_computed == 0:
                 self._match_prefix(seq)
-            num_new = self._chunk(seq, budget, len(self.waiting) > 1)
+            num_new = self._chunk(seq, min(budget, prompt_left), len(self.waiting) > 1)
             if not self._reserve(seq, seq.num_computed + num_new):
                 self._release(seq)  # don't sit on prefix pages while waiting
                 break
@@ -157,8 +178,18 @@ class Scheduler:
             self.running.append(seq)
             self._add_to(out, seq, num_new, capped)
             budget -= num_new
-        self._top_up(out, capped, budget)
+            prompt_left -= num_new
+        self._top_up(out, capped, min(budget, prompt_left))
         return out
+
+    def _prompt_cap(self, decodes: int) -> int | None:
+        """Prompt tokens this step may carry beside ``decodes`` running decodes (None: as
+        many as the budget allows: nothing decodes, no target, or no estimate yet)."""
+        if not decodes or self.step_target_s is None or not self.hold_prompts:
+            return None
+        return self.cost.prompt_budget(
+            decodes, self.step_target_s, MIN_PROMPT_CHUNK, self.max_num_batched_tokens
+        )
 
     def _next_admissible(self) -> Sequence | None:
         if self.admissible is None:

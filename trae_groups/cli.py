@@ -64,6 +64,7 @@ def _print_json(data: Any) -> None:
 # engine.config.KV_CACHE_DTYPES, spelled out so that parsing imports no torch (a test checks
 # the two agree)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+STEP_TIME_TARGET_MS = 100.0  # engine.config.DEFAULT_STEP_TIME_TARGET_MS, likewise
 
 
 def _engine_options(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +82,11 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
         "--weight-budget", type=parse_size, default=None,
         help="weights held at once, e.g. 2GiB: on-demand models are evicted to fit "
         "(default: the graph's resources:, else no limit)",
+    )  # fmt: skip
+    group.add_argument(
+        "--step-time-target-ms", type=float, default=STEP_TIME_TARGET_MS, metavar="MS",
+        help="while requests stream, a step carries only the prompt tokens that keep it near "
+        "MS milliseconds, by the model's measured step cost; 0: no limit (default: %(default)s)",
     )  # fmt: skip
     group.add_argument(
         "--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
@@ -111,7 +117,10 @@ def _engine_config(args: argparse.Namespace):
         "gpu_memory_reservation": args.gpu_memory_reservation,
         "kv_cache_dtype": args.kv_cache_dtype,
     }
-    return dataclasses.replace(base, **{k: v for k, v in changes.items() if v is not None})
+    changes = {k: v for k, v in changes.items() if v is not None}
+    # 0 turns the step-time target off (None in the config)
+    changes["step_time_target_ms"] = args.step_time_target_ms or None
+    return dataclasses.replace(base, **changes)
 
 
 def _load_runtime(paths: Sequence[str], config) -> tuple[Any, list[Any]]:

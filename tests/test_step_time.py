@@ -1,0 +1,191 @@
+"""Bounded step time: while sequences decode, a step carries only the prompt tokens that keep
+it near ``step_time_target_ms``, by the model's own measured step cost (engine/step_cost.py).
+
+The scheduler tests feed the cost model steps of known cost (no clocks), so every budget is
+exact; the engine test shows the option reaches a real engine, and that offline generate()
+does not hold prompts back."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from conftest import build_llm
+from trae_groups.engine.config import EngineConfig
+from trae_groups.engine.engine import LLMEngine
+from trae_groups.engine.memory_pool import MemoryPool
+from trae_groups.engine.sampling import SamplingParams
+from trae_groups.engine.scheduler import MIN_PROMPT_CHUNK, Scheduler, SchedulerSettings
+from trae_groups.engine.sequence import Sequence
+from trae_groups.engine.step_cost import StepCost
+
+# a made-up model: 30 ms a step, 3 ms a decode, 1 ms a prompt token
+BASE, PER_DECODE, PER_TOKEN = 0.030, 0.003, 0.001
+
+
+def cost_of(decodes: int, tokens: int) -> float:
+    return BASE + PER_DECODE * decodes + PER_TOKEN * tokens
+
+
+def taught(cost: StepCost, outliers: bool = False) -> StepCost:
+    rng = random.Random(0)
+    if outliers:  # a first step that built its matmuls, and one that shared its cores
+        cost.observe(0, 512, 9.0)
+    for i in range(40):
+        decodes, tokens = rng.choice([(0, 512), (0, 128), (1, 0), (4, 0), (8, 64), (2, 300)])
+        seconds = cost_of(decodes, tokens) * (1 + rng.uniform(-0.02, 0.02))
+        cost.observe(decodes, tokens, seconds * (6 if outliers and i == 20 else 1))
+    return cost
+
+
+@pytest.mark.parametrize("outliers", [False, True])
+def test_the_cost_model_recovers_a_models_step_cost(outliers):
+    base, per_decode, per_token = taught(StepCost(), outliers).estimate()
+    assert base == pytest.approx(BASE, rel=0.1)
+    assert per_decode == pytest.approx(PER_DECODE, rel=0.1)
+    assert per_token == pytest.approx(PER_TOKEN, rel=0.1)
+
+
+def test_no_estimate_until_both_kinds_of_step_were_seen():
+    cost = StepCost()
+    for _ in range(10):
+        cost.observe(0, 512, cost_of(0, 512))
+    assert cost.estimate() is None and cost.prompt_budget(1, 0.1, 32, 512) is None
+    for _ in range(3):
+        cost.observe(2, 0, cost_of(2, 0))
+    assert cost.prompt_budget(1, 0.1, 32, 512) is not None
+
+
+def seq(n_prompt: int, rid: str) -> Sequence:
+    return Sequence(rid, list(range(1, n_prompt + 1)), SamplingParams(), lambda out: None)
+
+
+def scheduler(target_s: float | None, budget: int = 512) -> Scheduler:
+    settings = SchedulerSettings(
+        16, 8, budget, "m", long_prefill_tokens=128, step_target_s=target_s
+    )
+    s = Scheduler(MemoryPool(4096, 1024), "m", settings)
+    taught(s.cost)
+    return s
+
+
+def advance(s: Scheduler) -> None:
+    for item in s.schedule().scheduled:
+        item.seq.num_computed += item.num_new
+        if item.samples:
+            item.seq.output_token_ids.append(7)
+
+
+def decoding_beside_a_long_prompt(s: Scheduler) -> Sequence:
+    chat = seq(5, "chat")
+    s.add(chat)
+    advance(s)  # the chat's prompt: it decodes from now on
+    long = seq(3000, "long")
+    s.add(long)
+    return long
+
+
+def test_beside_decodes_a_step_carries_what_fits_the_target():
+    s = scheduler(target_s=0.100)
+    long = decoding_beside_a_long_prompt(s)
+    step = s.schedule()
+    assert [i.seq.request_id for i in step.decodes] == ["chat"]
+    (chunk,) = step.prefills
+    assert chunk.seq is long
+    # 100 ms - 30 ms - 3 ms for the decode leaves 67 prompt tokens at 1 ms each
+    assert chunk.num_new == pytest.approx(67, abs=3)
+    assert cost_of(1, chunk.num_new) == pytest.approx(0.100, abs=0.004)
+
+
+def test_a_slow_model_still_moves_a_long_prompt_on():
+    s = scheduler(target_s=0.010)  # less than a decode step costs
+    decoding_beside_a_long_prompt(s)
+    (chunk,) = s.schedule().prefills
+    assert chunk.num_new == MIN_PROMPT_CHUNK
+
+
+def test_without_decodes_or_without_a_target_the_budget_is_whole():
+    held = scheduler(target_s=0.100)
+    long = seq(3000, "long")
+    held.add(long)
+    assert held.schedule().prefills[0].num_new == 512  # nothing decodes: nobody waits on it
+    free = scheduler(target_s=None)
+    decoding_beside_a_long_prompt(free)
+    assert free.schedule().prefills[0].num_new == 512 - 1  # one token left for the decode
+
+
+def test_a_held_step_shares_its_prompt_tokens_with_waiting_prompts():
+    s = scheduler(target_s=0.100)
+    long = decoding_beside_a_long_prompt(s)
+    advance(s)  # the long prompt is running, in chunks
+    s.add(seq(20, "short"))
+    step = s.schedule()
+    chunks = {i.seq.request_id: i.num_new for i in step.prefills}
+    assert chunks["short"] == 20  # admitted at once, not after 3,000 tokens
+    assert 0 < chunks["long"] < 67 and sum(chunks.values()) <= 67 + 3
+    assert long.num_uncomputed > 0
+
+
+def test_the_engine_learns_its_step_cost_and_holds_prompts_beside_streams(tmp_path):
+    """On a real engine with its loop thread, a target below what any step costs: once the
+    engine has measured its steps, every step that carries the long prompt beside the stream
+    carries the floor, where without a target it would take the whole budget."""
+    folder = build_llm(tmp_path / "m", "llama", max_position_embeddings=2048)
+    config = EngineConfig(
+        pool_bytes=32 << 20, step_time_target_ms=0.001, max_num_batched_tokens=256
+    )  # fmt: skip
+    engine = LLMEngine({"m": str(folder)}, config).start()
+    worker = engine.llm("m")
+    steps: list[tuple[int, int]] = []
+    observe = worker.scheduler.cost.observe
+    worker.scheduler.cost.observe = lambda d, t, s: (steps.append((d, t)), observe(d, t, s))
+    try:
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        for n in (300, 200, 300):  # prompt-only steps of several sizes teach the cost model
+            engine.generate([[5] * n], params)
+        done = threading.Event()
+        stream = SamplingParams(max_tokens=80, ignore_eos=True)
+        engine.submit([7, 8, 9], stream, sink=lambda out: out.finished and done.set())
+        long = engine.generate([[3 + i % 500 for i in range(1500)]], params)[0]
+        assert done.wait(120) and long.finished
+    finally:
+        engine.shutdown()
+    beside = [t for d, t in steps if d and t]  # the long prompt's chunks beside the stream
+    assert len(beside) > 10, steps
+    # the first few, before the cost model had seen decodes, may be whole; then the floor
+    assert all(t <= MIN_PROMPT_CHUNK for t in beside[3:]), beside
+    assert max(beside[:3]) > MIN_PROMPT_CHUNK or len(beside) > 1500 // MIN_PROMPT_CHUNK
+
+
+def test_offline_generate_does_not_hold_prompts(tmp_path):
+    folder = build_llm(tmp_path / "m", "llama", max_position_embeddings=2048)
+    config = EngineConfig(
+        pool_bytes=32 << 20, step_time_target_ms=0.001, max_num_batched_tokens=256
+    )
+    engine = LLMEngine({"m": str(folder)}, config)
+    worker = engine.llm("m")
+    sizes: list[tuple[int, int]] = []
+    observe = worker.scheduler.cost.observe
+    worker.scheduler.cost.observe = lambda d, t, s: (sizes.append((d, t)), observe(d, t, s))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.generate([[5] * 40, [6] * 300, [7] * 600], params)  # inline: no loop thread
+    # prompts beside decodes took whole budgets (less one token per decode), never the floor
+    beside = [t for d, t in sizes if d and t]
+    assert beside and max(beside) >= 256 - 2
+    assert worker.scheduler.hold_prompts  # restored for serving
+
+
+def test_the_cli_flag_sets_the_target_and_zero_turns_it_off():
+    from trae_groups import cli
+    from trae_groups.engine.config import DEFAULT_STEP_TIME_TARGET_MS
+
+    assert cli.STEP_TIME_TARGET_MS == DEFAULT_STEP_TIME_TARGET_MS
+    parser = __import__("argparse").ArgumentParser()
+    cli._engine_options(parser)
+    for argv, expected in (([], DEFAULT_STEP_TIME_TARGET_MS), (["--step-time-target-ms", "40"], 40.0),
+                           (["--step-time-target-ms", "0"], None)):  # fmt: skip
+        config = cli._engine_config(parser.parse_args(argv))
+        assert config.step_time_target_ms == expected
+        assert config.step_target_s == (None if expected is None else expected / 1000)
