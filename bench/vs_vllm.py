@@ -32,7 +32,9 @@ Greedy agreement: per workload and pair of engines, how many prompts' token list
 identical (last round), and where the others first differ. Also printed: start-up seconds per
 worker (spawn to the first result), its resident memory (RSS and PSS from /proc, the vLLM
 engine-core child process included) after the runs, and the CPU seconds each worker burnt while
-another one was being timed (an idle worker that spins would skew the others). Each wait is
+another one was being timed (an idle worker that spins would skew the others). Those are
+stopped (SIGSTOP, their whole process tree) while one worker is timed and continued after, so
+the timed engine has the cores to itself (``--no-pause-idle``: leave them running). Each wait is
 time-boxed (``--start-timeout``, ``--job-timeout``): a worker that dies or hangs is killed and
 reported, and the run goes on without it. Worker logs: ``--log-dir``.
 
@@ -232,6 +234,13 @@ def tree(pid: int) -> list[int]:
         out.append(p)
         todo.extend(kids.get(p, []))
     return out
+
+
+def signal_all(trees: list[list[int]], sig: int) -> None:
+    for pids in trees:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -493,7 +502,12 @@ def _run_workers(args, dtype, workloads, decode_prompt, workers, argv, pool) -> 
     def timed(w: Worker, prompts, new) -> dict | None:
         others = [o for o in workers if o is not w and o.alive]
         before = [cpu_seconds(tree(o.proc.pid)) for o in others]
-        out = w.job(prompts, new, args.job_timeout)
+        paused = [tree(o.proc.pid) for o in others] if args.pause_idle else []
+        signal_all(paused, signal.SIGSTOP)  # an idle engine that spins steals the cores
+        try:
+            out = w.job(prompts, new, args.job_timeout)
+        finally:
+            signal_all(paused, signal.SIGCONT)
         for o, b in zip(others, before, strict=True):
             o.idle_cpu_s += max(0.0, cpu_seconds(tree(o.proc.pid)) - b)
         return out
@@ -628,6 +642,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vllm-kv-gib", type=int, default=4, help="VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument(
+        "--no-pause-idle", dest="pause_idle", action="store_false",
+        help="leave the other workers running (default: SIGSTOP them while one is timed)",
+    )  # fmt: skip
     parser.add_argument(
         "--vllm-max-batched-tokens", type=int, help="vLLM's chunk size (its default: 4096)"
     )
