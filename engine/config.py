@@ -20,6 +20,9 @@ DEFAULT_STEP_TIME_TARGET_MS = 100.0
 # gpu_memory_utilization default. The rest is headroom for activations and other processes.
 DEFAULT_GPU_MEMORY_RESERVATION = 0.9
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# "auto": each model whose graph does not set a dtype takes what the hardware runs fast,
+# if the accuracy gate allows (engine/auto_weights.py); float32 is what it starts from
+ENGINE_DTYPES = (*DTYPES, "auto")
 QUANTIZATIONS = ("int8",)  # weight quantizations the weight store applies (engine/quant.py)
 KV_CACHE_DTYPES = ("auto", *KV_STORAGE)
 MODEL_FORWARDS = ("auto", "transformers")
@@ -89,8 +92,8 @@ class EngineConfig:
     load_wait_s: float | None = None
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"dtype: must be one of {list(ENGINE_DTYPES)}, got {self.dtype!r}")
         if self.pool_bytes is not None and self.pool_bytes <= 0:
             raise ValueError("pool_bytes: must be > 0")
         if not 0.0 < self.pool_fraction <= 0.95:
@@ -149,7 +152,8 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The dtype models load in; for "auto", float32, the reference the choice starts from."""
+        return DTYPES.get(self.dtype, torch.float32)
 
     @property
     def memory_reservation(self) -> float:

@@ -18,10 +18,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from trae_groups.engine.auto_weights import load_auto
 from trae_groups.engine.clients import LocalLLM
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.deadlines import Priority
 from trae_groups.engine.errors import EngineError, EngineStopped, ModelLoadError, RequestError
+from trae_groups.engine.hardware import detect
 from trae_groups.engine.llm_runner import ATTN_NAME, kv_layout, prepare_forward
 from trae_groups.engine.llm_worker import LLMWorker
 from trae_groups.engine.loop import EngineLoop
@@ -63,6 +65,17 @@ def load_causal_lm(
     loaded = store.load(
         path, "generate", dtype=dtype, device=device, quantize=quantize,
         attn_implementation=ATTN_NAME,
+    )  # fmt: skip
+    return loaded.model, loaded.tokenizer
+
+
+def load_auto_causal_lm(store: WeightStore, path: str, device: str):
+    """``load_causal_lm`` in the dtype the hardware runs fast, if the accuracy gate allows it
+    (``dtype="auto"``; engine/auto_weights.py); the choice is logged and kept on the model."""
+    read_config(path)
+    loaded, _ = load_auto(
+        store, path, "generate", detect(device), dtype_auto=True, quant_auto=False,
+        device=device, attn_implementation=ATTN_NAME,
     )  # fmt: skip
     return loaded.model, loaded.tokenizer
 
@@ -193,7 +206,9 @@ class LLMEngine:
         ``max_loras`` and ``max_lora_rank`` override the engine's for this model."""
         if name in self.loop.workers:
             raise ValueError(f"a model named {name!r} is already on this engine")
-        if model is None:
+        if model is None and self.config.dtype == "auto" and self.config.quantization is None:
+            model, tokenizer = load_auto_causal_lm(self.store, str(path), self.config.device)
+        elif model is None:
             model, tokenizer = load_causal_lm(
                 self.store,
                 str(path),

@@ -81,11 +81,16 @@ class ModelLoad:
         """The dtype asked for ("auto": the engine's, which "auto" starts from)."""
         return DTYPES.get(self.dtype or "", config.torch_dtype)
 
+    def dtype_choice(self, config: EngineConfig) -> str | None:
+        """The load's own dtype, else the engine's when that is "auto" (None: the engine's)."""
+        return self.dtype or ("auto" if config.dtype == "auto" else None)
+
     def key(self, config: EngineConfig) -> tuple:
         """What makes two loads one loaded model: folder, task, the weight options (dtype,
         quantization, gate bound), residency, adapter capacity and the per-request limits
         an LLM enforces (its weights are shared all the same)."""
-        dtype = self.dtype if self.dtype == "auto" else self.torch_dtype(config)
+        auto = self.dtype_choice(config) == "auto"
+        dtype = "auto" if auto else self.torch_dtype(config)
         weights = (dtype, self.quantization, self.max_accuracy_drop)
         limits = (self.max_prompt_tokens, self.max_tokens_limit, self.max_loras, self.max_lora_rank)
         return (str(Path(self.folder).resolve()), self.task, *weights, self.resident, *limits)
@@ -227,7 +232,8 @@ class ModelHost:
         """A model's weights as its load asks: a fixed dtype/quantization, or "auto"
         (picked from the hardware, then the accuracy gate; ``engine/auto_weights.py``)."""
         quantize = load.quantize
-        if "auto" not in (load.dtype, quantize):
+        dtype_auto = load.dtype_choice(self.config) == "auto"
+        if not dtype_auto and quantize != "auto":
             return self._timed(load, name, dtype=load.torch_dtype(self.config),
                                quantize=quantize, **kwargs)  # fmt: skip
         if self.hardware is None:
@@ -241,7 +247,7 @@ class ModelHost:
                     str(load.eval_set), f"model {name!r}: eval_set: {exc}"
                 ) from exc
         loader = functools.partial(
-            load_auto, hw=self.hardware, dtype_auto=load.dtype == "auto",
+            load_auto, hw=self.hardware, dtype_auto=dtype_auto,
             quant_auto=quantize == "auto", base=load.torch_dtype(self.config),
             bound=load.max_accuracy_drop or DEFAULT_MAX_DROP, eval_set=examples,
         )  # fmt: skip
@@ -293,7 +299,8 @@ class ModelHost:
 
             return Resident(client, unload)
 
-        dtype = self.config.torch_dtype if load.dtype == "auto" else load.torch_dtype(self.config)
+        auto = load.dtype_choice(self.config) == "auto"
+        dtype = self.config.torch_dtype if auto else load.torch_dtype(self.config)
         self.engine.residency.add(name, make_resident, estimate_bytes(load.folder, dtype))
         return OnDemandLLM(self.engine.residency, name)
 

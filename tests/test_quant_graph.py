@@ -47,9 +47,9 @@ def graph(intent_dir, llama_dir, intent_q="int8", dialog_opts="quantization: int
                         dialog_opts=dialog_opts)  # fmt: skip
 
 
-def serve(text: str, hardware: Hardware | None = None):
+def serve(text: str, hardware: Hardware | None = None, dtype: str = "float32"):
     spec = load_graph_text(text, "quant.yaml")
-    config = EngineConfig(pool_bytes=8 << 20)
+    config = EngineConfig(pool_bytes=8 << 20, dtype=dtype)
     runtime = ModelRuntime.for_specs([spec], config, hardware=hardware)
     executor = runtime.bind(spec)
     runtime.start()
@@ -157,3 +157,41 @@ def test_a_classifier_with_an_eval_set_is_gated_on_its_held_out_accuracy(
             runtime.bind(spec)
     finally:
         runtime.shutdown()
+
+
+def test_an_auto_engine_dtype_reaches_models_that_set_none(intent_dir, llama_dir):
+    """``EngineConfig(dtype="auto")`` (trae serve's default) is ``dtype: auto`` for every model
+    whose graph sets no dtype; one that sets its own keeps it."""
+    text = graph(intent_dir, llama_dir, intent_q="none", dialog_opts="max_tokens_limit: 64")
+    bf16 = Hardware("cpu", frozenset({"avx512_bf16"}))
+    runtime, _ = serve(text, bf16, dtype="auto")
+    try:
+        reports = {r.name: r for r in runtime.store.report()}
+        assert reports["dialog"].dtype == "bfloat16" and "gate passed" in reports["dialog"].choice
+        assert reports["intent"].dtype == "bfloat16"
+    finally:
+        runtime.shutdown()
+    runtime, _ = serve(text.replace("max_tokens_limit: 64", "dtype: float32"), bf16, "auto")
+    try:
+        reports = {r.name: r for r in runtime.store.report()}
+        assert reports["dialog"].dtype == "float32" and reports["intent"].dtype == "bfloat16"
+    finally:
+        runtime.shutdown()
+
+
+def test_trae_serve_defaults_to_auto_and_other_commands_to_float32(llama_dir):
+    from trae_groups import cli
+    from trae_groups.engine.engine import LLMEngine
+    from trae_groups.engine.hardware import detect
+
+    parser = cli.build_parser()
+    assert cli._engine_config(parser.parse_args(["serve", "g.yaml"])).dtype == "auto"
+    assert cli._engine_config(parser.parse_args(["run", "g.yaml"])).dtype == "float32"
+    served = parser.parse_args(["serve", "g.yaml", "--dtype", "float32"])
+    assert cli._engine_config(served).dtype == "float32"
+    # an engine given a folder directly chooses the same way, by the detected hardware
+    engine = LLMEngine({"m": str(llama_dir)}, EngineConfig(pool_bytes=8 << 20, dtype="auto"))
+    expected = torch.bfloat16 if detect("cpu").bf16_math else torch.float32
+    assert next(engine.llm("m").model.parameters()).dtype == expected
+    out = engine.generate([[1, 2, 3]], None)[0]
+    assert out.finished and out.token_ids

@@ -71,7 +71,12 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--pool-bytes", type=parse_size, help="memory pool size, e.g. 512MiB")
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cpu)")
-    group.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    group.add_argument(
+        "--dtype", default=None, choices=["float32", "float16", "bfloat16", "auto"],
+        help="for models whose graph sets none; auto: bfloat16 where the hardware has bf16 "
+        "matmuls (AVX512-BF16/AMX, or a GPU) and the accuracy gate allows it, else float32 "
+        "(default: auto for trae serve, float32 elsewhere)",
+    )  # fmt: skip
     group.add_argument("--attention-backend", default=None, help="torch, triton, flash_attn")
     group.add_argument(
         "--gpu-memory-reservation", type=float, default=None, metavar="SHARE",
@@ -642,7 +647,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _function_options(serve)
     _engine_options(serve)
-    serve.set_defaults(run=cmd_serve)
+    serve.set_defaults(run=cmd_serve, dtype="auto")  # serving: what the hardware runs fast
 
     demo = sub.add_parser("demo", help="prepare and serve the embedded support demo")
     demo.add_argument("--host", default="127.0.0.1")
