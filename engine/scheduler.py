@@ -179,8 +179,18 @@ class Scheduler:
             self._add_to(out, seq, num_new, capped)
             budget -= num_new
             prompt_left -= num_new
-        self._top_up(out, capped, min(budget, prompt_left))
+        self._top_up(out, capped, min(budget, prompt_left, self._sampling_cap(out)))
         return out
+
+    def _sampling_cap(self, out: SchedulerOutput) -> int:
+        """Prompt tokens the step may still take when a prompt in it completes (its first
+        token is someone's time to first token): what the target allows beside the step's
+        decodes and sampling rows, less the prompt tokens already in; else no limit."""
+        sampling = sum(1 for item in out.prefills if item.samples)
+        cap = self._prompt_cap(len(out.decodes) + sampling) if sampling else None
+        if cap is None:
+            return self.max_num_batched_tokens
+        return max(0, cap - sum(item.num_new for item in out.prefills))
 
     def _prompt_cap(self, decodes: int) -> int | None:
         """Prompt tokens this step may carry beside ``decodes`` running decodes (None: as

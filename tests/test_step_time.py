@@ -128,6 +128,20 @@ def test_a_held_step_shares_its_prompt_tokens_with_waiting_prompts():
     assert long.num_uncomputed > 0
 
 
+def test_a_step_that_gives_a_prompt_its_first_token_is_not_topped_up_past_the_target():
+    """A short prompt arriving beside a long one alone: the long chunk is cut to let it in,
+    and the budget left is not handed back to the long chunk past the target, so the short
+    one's first token comes after a short step."""
+    for target, long_chunk in ((0.100, 128), (None, 512 - 20)):
+        s = scheduler(target_s=target)
+        long = seq(3000, "long")
+        s.add(long)
+        advance(s)  # the long prompt runs alone, whole budgets
+        s.add(seq(20, "short"))
+        chunks = {i.seq.request_id: i.num_new for i in s.schedule().prefills}
+        assert chunks == {"long": long_chunk, "short": 20}, target
+
+
 def test_the_engine_learns_its_step_cost_and_holds_prompts_beside_streams(tmp_path):
     """On a real engine with its loop thread, a target below what any step costs: once the
     engine has measured its steps, every step that carries the long prompt beside the stream
