@@ -30,6 +30,8 @@ nodes:
 outputs: {{reply: reply.text}}
 """
 HELLO = [{"role": "user", "content": "hello"}]
+LIMIT = 2 << 20  # max_constraint_bytes: a compiled constraint over it is refused
+BIG = "^((a{100}){100}){4}$"  # 20 characters that compile to ~20 MiB of lexer states
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,8 @@ def server(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("checks")
     build_llm(root / "llama")
     (root / "chat.yaml").write_text(CHAT.format(root=root))
-    config = ServerConfig(admin_token=TOKEN, engine=EngineConfig(pool_bytes=8 << 20))
+    engine = EngineConfig(pool_bytes=8 << 20, max_constraint_bytes=LIMIT)
+    config = ServerConfig(admin_token=TOKEN, engine=engine)
     with ServerThread(create_app([root / "chat.yaml"], config)) as running:
         running.root = root
         yield running
@@ -62,3 +65,44 @@ def test_the_engine_refuses_empty_messages_by_name(server):
     with pytest.raises(RequestError) as caught:
         chat_token_ids(tokenizer, [])
     assert caught.value.field == "messages"
+
+
+def _metric(text: str, name: str) -> float:
+    (line,) = [x for x in text.splitlines() if x.startswith(name + "{")]
+    return float(line.rsplit(" ", 1)[1])
+
+
+@pytest.mark.parametrize(
+    ("field", "body"),
+    [
+        ("guided_regex", {"guided_regex": BIG}),
+        (
+            "response_format",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "s", "schema": {"type": "string", "pattern": BIG}},
+                }
+            },
+        ),
+    ],
+)
+def test_a_constraint_over_the_byte_limit_is_a_422_naming_its_field(client, field, body):
+    before = client.get("/metrics").text
+    refused = 0.0 if "trae_llm_constraint_refusals_total{" not in before else (
+        _metric(before, "trae_llm_constraint_refusals_total")
+    )  # fmt: skip
+    request = {"model": "chat/dialog", "messages": HELLO, "max_tokens": 2, **body}
+    response = client.post("/v1/chat/completions", json=request)
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field}: ")
+    assert "MiB" in error["message"] and "max_constraint_bytes" in error["message"]
+    metrics = client.get("/metrics").text
+    assert _metric(metrics, "trae_llm_constraint_refusals_total") == refused + 1
+    assert _metric(metrics, "trae_llm_constraint_cache_bytes") <= 256 << 20
+    # the server keeps serving constraints that fit
+    fits = {"model": "chat/dialog", "messages": HELLO, "max_tokens": 4, "guided_regex": "[ab]{2}"}
+    ok = client.post("/v1/chat/completions", json=fits)
+    assert ok.status_code == 200, ok.text
+    assert _metric(client.get("/metrics").text, "trae_llm_constraint_cache_entries") >= 1
