@@ -9,7 +9,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import build_llm
+from conftest import build_llm, build_lora
 from trae_groups.engine import EngineConfig
 from trae_groups.engine.chat import chat_token_ids
 from trae_groups.engine.errors import RequestError
@@ -38,6 +38,7 @@ BIG = "^((a{100}){100}){4}$"  # 20 characters that compile to ~20 MiB of lexer s
 def server(tmp_path_factory):
     root: Path = tmp_path_factory.mktemp("checks")
     build_llm(root / "llama")
+    build_lora(root / "lora", root / "llama", r=4, lora_alpha=8, target_modules=["q_proj"])
     (root / "chat.yaml").write_text(CHAT.format(root=root))
     engine = EngineConfig(pool_bytes=8 << 20, max_constraint_bytes=LIMIT)
     config = ServerConfig(admin_token=TOKEN, engine=engine)
@@ -106,3 +107,30 @@ def test_a_constraint_over_the_byte_limit_is_a_422_naming_its_field(client, fiel
     ok = client.post("/v1/chat/completions", json=fits)
     assert ok.status_code == 200, ok.text
     assert _metric(client.get("/metrics").text, "trae_llm_constraint_cache_entries") >= 1
+
+
+VERSIONS = "/admin/graphs/chat/models/dialog/versions"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def test_an_uploaded_adapter_version_is_listed_and_addressable_by_its_id(server, client):
+    upload = client.post(
+        VERSIONS, headers=AUTH, json={"version": "v2", "adapter": str(server.root / "lora")}
+    )
+    assert upload.status_code == 200, upload.text
+    try:
+        listed = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+        assert {"chat/dialog:v2", "dialog:v2"} <= set(listed)
+        assert listed["chat/dialog:v2"]["parent"] == "chat/dialog"
+        assert listed["chat/dialog:v2"]["trae"]["kind"] == "adapter"
+        for model in ("chat/dialog:v2", "dialog:v2"):
+            body = {"model": model, "messages": HELLO, "max_tokens": 2}
+            response = client.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200, response.text
+            assert response.json()["model"] == model
+    finally:
+        gone = client.delete(f"{VERSIONS}/v2", headers=AUTH)
+    assert gone.status_code == 200, gone.text
+    assert "chat/dialog:v2" not in {m["id"] for m in client.get("/v1/models").json()["data"]}
+    body = {"model": "chat/dialog:v2", "messages": HELLO, "max_tokens": 2}
+    assert client.post("/v1/chat/completions", json=body).status_code == 404

@@ -243,9 +243,18 @@ def targets(graphs: Mapping[str, ServedGraph]) -> dict[str, Target]:
         spec = target.served.spec.models[target.model]
         for name in spec.adapters or {}:
             found[f"{target.id}:{name}"] = _adapter_target(target, adapter=name)
-        for name in spec.version_adapters:
+        for name in _adapter_versions(target):
             found[f"{target.id}:{name}"] = _adapter_target(target, version=name)
     return found
+
+
+def _adapter_versions(llm: Target) -> list[str]:
+    """An LLM's versions that are adapters: the graph file's, and those uploaded since
+    (served now, so an unloaded one is gone)."""
+    named = list(llm.served.spec.models[llm.model].version_adapters)
+    live = llm.served.executor.models[llm.model].clients
+    uploaded = [v for v, c in live.items() if isinstance(getattr(c, "adapter", None), str)]
+    return [v for v in dict.fromkeys(named + uploaded) if v in live]
 
 
 def _adapter_target(llm: Target, **which: str) -> Target:
