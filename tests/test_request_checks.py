@@ -3,6 +3,8 @@ a real uvicorn on 127.0.0.1 with a real tiny LLM (and LoRA adapters)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import httpx
@@ -134,3 +136,34 @@ def test_an_uploaded_adapter_version_is_listed_and_addressable_by_its_id(server,
     assert "chat/dialog:v2" not in {m["id"] for m in client.get("/v1/models").json()["data"]}
     body = {"model": "chat/dialog:v2", "messages": HELLO, "max_tokens": 2}
     assert client.post("/v1/chat/completions", json=body).status_code == 404
+
+
+def _broken(root: Path, name: str, **changes) -> Path:
+    folder = root / name
+    if not folder.exists():
+        shutil.copytree(root / "lora", folder)
+        config = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "field"),
+    [
+        ("nan", {"lora_alpha": float("nan")}, "lora_alpha"),
+        ("huge", {"r": 1_000_000_000}, "r"),
+        ("nope", {"target_modules": ["q_proj", "nope_proj"]}, "target_modules"),
+    ],
+)
+def test_an_adapter_whose_config_disagrees_is_a_422_naming_the_field(
+    server, client, name, changes, field
+):
+    folder = _broken(server.root, name, **changes)
+    upload = client.post(VERSIONS, headers=AUTH, json={"version": "v9", "adapter": str(folder)})
+    assert upload.status_code == 422, upload.text
+    error = upload.json()["error"]
+    assert error["field"] == field and "adapter_config.json" in error["message"]
+    served = client.get("/v1/graphs/chat").json()["models"]["dialog"]["versions"]
+    assert "v9" not in served
+    ok = client.post("/v1/graphs/chat", json={"inputs": {"messages": HELLO}})
+    assert ok.status_code == 200, ok.text
