@@ -31,6 +31,19 @@ nodes:
     params: {{max_tokens: 3, temperature: 0}}
 outputs: {{reply: reply.text}}
 """
+TYPED = """
+name: typed
+models:
+  writer: {{source: {root}/llama, task: generate}}  # the same folder: the same engine model
+inputs: {{text: str}}
+nodes:
+  out:
+    model: writer
+    prompt: "{{{{ inputs.text }}}}"
+    output_schema: {{type: string, pattern: "^((a{{100}}){{100}}){{4}}$"}}
+    params: {{max_tokens: 3}}
+outputs: {{out: out.text}}
+"""
 HELLO = [{"role": "user", "content": "hello"}]
 LIMIT = 2 << 20  # max_constraint_bytes: a compiled constraint over it is refused
 BIG = "^((a{100}){100}){4}$"  # 20 characters that compile to ~20 MiB of lexer states
@@ -42,9 +55,10 @@ def server(tmp_path_factory):
     build_llm(root / "llama")
     build_lora(root / "lora", root / "llama", r=4, lora_alpha=8, target_modules=["q_proj"])
     (root / "chat.yaml").write_text(CHAT.format(root=root))
+    (root / "typed.yaml").write_text(TYPED.format(root=root))
     engine = EngineConfig(pool_bytes=8 << 20, max_constraint_bytes=LIMIT)
     config = ServerConfig(admin_token=TOKEN, engine=engine)
-    with ServerThread(create_app([root / "chat.yaml"], config)) as running:
+    with ServerThread(create_app([root / "chat.yaml", root / "typed.yaml"], config)) as running:
         running.root = root
         yield running
 
@@ -71,7 +85,8 @@ def test_the_engine_refuses_empty_messages_by_name(server):
 
 
 def _metric(text: str, name: str) -> float:
-    (line,) = [x for x in text.splitlines() if x.startswith(name + "{")]
+    """``name`` for the chat graph's model (the engine's name for it: ``dialog``)."""
+    (line,) = [x for x in text.splitlines() if x.startswith(name + '{model="dialog",')]
     return float(line.rsplit(" ", 1)[1])
 
 
@@ -92,7 +107,7 @@ def _metric(text: str, name: str) -> float:
 )
 def test_a_constraint_over_the_byte_limit_is_a_422_naming_its_field(client, field, body):
     before = client.get("/metrics").text
-    refused = 0.0 if "trae_llm_constraint_refusals_total{" not in before else (
+    refused = 0.0 if 'trae_llm_constraint_refusals_total{model="dialog",' not in before else (
         _metric(before, "trae_llm_constraint_refusals_total")
     )  # fmt: skip
     request = {"model": "chat/dialog", "messages": HELLO, "max_tokens": 2, **body}
@@ -167,3 +182,11 @@ def test_an_adapter_whose_config_disagrees_is_a_422_naming_the_field(
     assert "v9" not in served
     ok = client.post("/v1/graphs/chat", json={"inputs": {"messages": HELLO}})
     assert ok.status_code == 200, ok.text
+
+
+def test_an_output_schema_over_the_byte_limit_is_a_422_naming_node_and_field(client):
+    response = client.post("/v1/graphs/typed", json={"inputs": {"text": "hello"}})
+    assert response.status_code == 422, response.text
+    error = response.json()["error"]
+    assert (error["node"], error["field"]) == ("out", "constraint")
+    assert "max_constraint_bytes" in error["message"]
