@@ -204,7 +204,7 @@ _ANNOTATIONS: dict[str, Any] = {
     "float": float,
     "bool": bool,
     "list[str]": list[str],
-    "messages": Annotated[list[ChatTurn], Field(min_length=1)],  # as OpenAI: one at least
+    "messages": list[ChatTurn],
 }
 _ADAPTERS = {name: TypeAdapter(annotation) for name, annotation in _ANNOTATIONS.items()}
 

@@ -72,7 +72,9 @@ def client(server):
 def test_empty_messages_on_the_graph_route_are_a_422_naming_the_field(client):
     response = client.post("/v1/graphs/chat", json={"inputs": {"messages": []}})
     assert response.status_code == 422, response.text
-    assert response.json()["error"]["field"] == "inputs.messages"
+    error = response.json()["error"]
+    assert (error["node"], error["field"]) == ("reply", "messages")
+    assert "no messages" in error["message"]
     ok = client.post("/v1/graphs/chat", json={"inputs": {"messages": HELLO}})
     assert ok.status_code == 200, ok.text
 
