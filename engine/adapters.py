@@ -5,7 +5,10 @@ and ``adapter_model.safetensors``. peft reads both (``PeftConfig.from_pretrained
 ``load_peft_weights``); this module decides whether the engine can serve it: plain LoRA
 on linear layers only (no DoRA, no other adapter type, no trained bias or whole modules
 to save), every tensor's shape fitting the base's module, its rank within the engine's
-maximum. What comes out is one ``AdapterWeights``: per targeted linear, ``A`` [r, in]
+maximum, and its config agreeing with its tensors (``r`` is their rank, ``lora_alpha`` is
+finite and positive, every ``target_modules`` entry is a module of the base that the
+tensors cover: an adapter that would silently do nothing, or turn every reply into NaN,
+is refused by name). What comes out is one ``AdapterWeights``: per targeted linear, ``A`` [r, in]
 and ``B`` [r, out] with peft's scaling (``alpha / r``, or ``alpha / sqrt(r)`` for rsLoRA)
 folded into ``B``, in the model's dtype.
 """
@@ -13,6 +16,7 @@ folded into ``B``, in the model's dtype.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +70,7 @@ def read_adapter(
     config = _read_config(path)
     tensors = _read_tensors(path)
     by_module = _pair_up(path, tensors)
+    _check_config(path, config, by_module, model)
     modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, (a, b) in sorted(by_module.items()):
         base = _base_linear(path, model, name)
@@ -114,6 +119,67 @@ def _read_config(path: Path):
             str(path), f"{CONFIG_FILE}: fan_in_fan_out (Conv1D bases) is not supported"
         )
     return config
+
+
+def _bad(path: Path, field: str, message: str) -> ModelLoadError:
+    return ModelLoadError(str(path), f"{CONFIG_FILE}: {message}", field=field)
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_config(path: Path, config, pairs: dict[str, tuple], model: nn.Module) -> None:
+    """The config says what the tensors are (their rank, checked against max_lora_rank
+    with their shapes), and names only what the base has."""
+    from peft.utils.other import get_pattern_key
+
+    alphas = {"lora_alpha": config.lora_alpha}
+    alphas |= {f"alpha_pattern[{k!r}]": v for k, v in (config.alpha_pattern or {}).items()}
+    for key, alpha in alphas.items():
+        if not (_number(alpha) and math.isfinite(alpha) and alpha > 0):
+            raise _bad(path, "lora_alpha", f"{key} is {alpha!r}; it must be a finite number > 0")
+    ranks = {"r": config.r, **{f"rank_pattern[{k!r}]": v for k, v in (config.rank_pattern or {}).items()}}  # fmt: skip
+    for key, rank in ranks.items():
+        if not (isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1):
+            raise _bad(path, "r", f"{key} is {rank!r}; it must be a whole number >= 1")
+    patterns = config.rank_pattern or {}
+    for name, (a, _) in sorted(pairs.items()):
+        said = patterns.get(get_pattern_key(patterns.keys(), name), config.r)
+        if a.dim() == 2 and a.shape[0] != said:
+            raise _bad(
+                path, "r", f"says rank {said} for {name}; its tensors in {WEIGHTS_FILE} have "
+                f"rank {a.shape[0]}"
+            )  # fmt: skip
+    _check_targets(path, config.target_modules, pairs, model)
+
+
+def _check_targets(path: Path, targets, pairs: dict[str, tuple], model: nn.Module) -> None:
+    """Each ``target_modules`` entry is a module of the base and the tensors cover it, as
+    peft matches them (a name is the module's last parts; a string is a regex)."""
+    if targets is None or targets == "all-linear":
+        return
+    names = [n for n, _ in model.named_modules() if not n.endswith(".base_layer")]
+    if isinstance(targets, str):
+        if not any(re.fullmatch(targets, n) for n in names):
+            raise _bad(path, "target_modules", f"target_modules {targets!r} matches no module "
+                                               "of the base model")  # fmt: skip
+        return
+
+    def matches(name: str, entry: str) -> bool:
+        return name == entry or name.endswith("." + entry)
+
+    for entry in sorted(targets):
+        if not any(matches(n, entry) for n in names):
+            raise _bad(
+                path, "target_modules", f"target_modules names {entry!r}, which is not a "
+                "module of the base model (another base?)"
+            )  # fmt: skip
+        if not any(matches(n, entry) for n in pairs):
+            raise _bad(
+                path, "target_modules", f"target_modules names {entry!r}, but {WEIGHTS_FILE} "
+                "has no weights for it"
+            )  # fmt: skip
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:

@@ -64,6 +64,8 @@ def chat_token_ids(
     tokenizer: Any, messages: Sequence[dict], tools: list[dict] | None = None
 ) -> list[int]:
     """The prompt's token ids for these messages (see the module docstring)."""
+    if not messages:
+        raise RequestError("messages", "needs at least one message")
     specials = special_texts(tokenizer)
     for i, m in enumerate(messages):
         if any(s in m["role"] for s in specials):

@@ -26,6 +26,11 @@ ENGINE_DTYPES = (*DTYPES, "auto")
 QUANTIZATIONS = ("int8",)  # weight quantizations the weight store applies (engine/quant.py)
 KV_CACHE_DTYPES = ("auto", *KV_STORAGE)
 MODEL_FORWARDS = ("auto", "transformers")
+# Compiled constraints (engine/constraints.py measures them): one request's may take this
+# many bytes (a larger one is refused, a 422 naming the field that asked), and the compiled
+# ones kept for reuse, per model's tokenizer, this many in all (least recently used dropped)
+DEFAULT_MAX_CONSTRAINT_BYTES = 64 << 20
+DEFAULT_CONSTRAINT_CACHE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,8 @@ class EngineConfig:
     # seconds a request waits for its on-demand model to become resident, then 503;
     # None: DEFAULT_LOAD_WAIT_S
     load_wait_s: float | None = None
+    max_constraint_bytes: int = DEFAULT_MAX_CONSTRAINT_BYTES
+    constraint_cache_bytes: int = DEFAULT_CONSTRAINT_CACHE_BYTES
 
     def __post_init__(self):
         if self.dtype not in ENGINE_DTYPES:
@@ -130,6 +137,9 @@ class EngineConfig:
             raise ValueError("compile_batch_sizes: must be a non-empty list of sizes >= 1")
         if self.weight_budget is not None and self.weight_budget <= 0:
             raise ValueError("weight_budget: must be > 0 (or None)")
+        for name in ("max_constraint_bytes", "constraint_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
         if self.load_wait_s is not None and self.load_wait_s <= 0:
             raise ValueError("load_wait_s: must be > 0")
         if self.page_bytes is not None and (self.page_bytes < 64 or self.page_bytes % 64):

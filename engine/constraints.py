@@ -14,10 +14,21 @@ matchers are cached per (constraint, tokenizer) and copied per sequence, so one
 schema used by many requests is compiled once, on the submitting thread, never in
 the engine's step loop. A matcher follows the sequence's output tokens, so
 preemption (which keeps them and recomputes only the KV) does not disturb it.
+
+A compiled matcher can be large (a 25-byte regex such as ``((a{100}){100}){20}`` is
+tens of MiB of lexer states), and llguidance reports no size. So its size is measured:
+the C heap's bytes in use (glibc's ``mallinfo2``, all arenas) before and after it is
+built and has computed its first mask (where the lexer builds its states), one
+compilation at a time. Other threads' allocations in that window count too, so the
+figure errs high, never low by much; where ``mallinfo2`` is missing the grammar text's
+length stands in. A constraint over ``max_constraint_bytes`` is refused; the cache is
+bounded by ``constraint_cache_bytes`` (EngineConfig).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import threading
 from collections import OrderedDict
@@ -26,6 +37,7 @@ from typing import Any, Literal
 
 import torch
 
+from trae_groups.engine.config import DEFAULT_CONSTRAINT_CACHE_BYTES, DEFAULT_MAX_CONSTRAINT_BYTES
 from trae_groups.engine.errors import RequestError
 
 ConstraintKind = Literal["json_schema", "regex", "choice", "grammar"]
@@ -38,7 +50,7 @@ _FORMATS = {
 }
 MAX_SPEC_CHARS = 100_000
 COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-CACHE_SIZE = 64  # compiled matchers kept per tokenizer
+CACHE_SIZE = 64  # compiled matchers kept per tokenizer, at most (bytes bound them first)
 
 
 @dataclass(frozen=True)
@@ -111,36 +123,114 @@ def _check(grammar: str) -> str:
     return messages[0] if is_error and messages else ""
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                     "uordblks", "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+def _mallinfo2() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        function = libc.mallinfo2  # glibc 2.33 and later
+    except (OSError, AttributeError):
+        return None
+    function.restype = _MallInfo2
+    return function
+
+
+_MALLINFO2 = _mallinfo2()
+_MEASURING = threading.Lock()  # one compilation measured at a time: two never count each other
+
+
+def heap_bytes() -> int | None:
+    """Bytes of the C heap in use (small chunks plus mmapped blocks), or None where
+    glibc's ``mallinfo2`` is missing."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return info.uordblks + info.hblkhd
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
 class Grammars:
     """Matchers for one tokenizer: its llguidance tokenizer (built once, ~1 s for a
-    large vocabulary) and a small cache of compiled matchers to copy from."""
+    large vocabulary) and a cache of compiled matchers to copy from, bounded in bytes."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: set[int]):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_ids: set[int],
+        max_bytes: int = DEFAULT_MAX_CONSTRAINT_BYTES,
+        cache_limit: int = DEFAULT_CONSTRAINT_CACHE_BYTES,
+    ):
         import llguidance.hf
 
         self.vocab_size = vocab_size
+        self.max_bytes, self.cache_limit = max_bytes, cache_limit
         eos = sorted(eos_ids) or None
         self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
-        self._compiled: OrderedDict[Constraint, Any] = OrderedDict()
+        self._compiled: OrderedDict[Constraint, tuple[Any, int]] = OrderedDict()
         self._lock = threading.Lock()
+        self.cache_bytes = 0  # measured bytes of the cached matchers
+        self.refusals = 0  # constraints refused for their size
+
+    @property
+    def cache_entries(self) -> int:
+        return len(self._compiled)
 
     def matcher(self, constraint: Constraint) -> Any:
-        """A fresh matcher for one sequence (RequestError if the grammar is refused)."""
+        """A fresh matcher for one sequence (RequestError if the grammar is refused, or
+        compiles to more than ``max_bytes``)."""
+        with self._lock:
+            entry = self._compiled.get(constraint)
+            if entry is not None:
+                self._compiled.move_to_end(constraint)
+        if entry is None:
+            entry = self._compile(constraint)
+            with self._lock:
+                if constraint not in self._compiled:
+                    self._compiled[constraint] = entry
+                    self.cache_bytes += entry[1]
+                while self._compiled and (
+                    self.cache_bytes > self.cache_limit or len(self._compiled) > CACHE_SIZE
+                ):
+                    _, (_, size) = self._compiled.popitem(last=False)
+                    self.cache_bytes -= size
+        return entry[0].deep_copy()
+
+    def _compile(self, constraint: Constraint) -> tuple[Any, int]:
+        """The compiled matcher and its measured bytes (see the module docstring)."""
         from llguidance import LLMatcher
 
-        with self._lock:
-            compiled = self._compiled.get(constraint)
-            if compiled is not None:
-                self._compiled.move_to_end(constraint)
-        if compiled is None:
-            compiled = LLMatcher(self._tokenizer, constraint.grammar(), log_level=0)
-            if compiled.is_error():
-                raise RequestError("constraint", compiled.get_error())
+        grammar = constraint.grammar()
+        scratch = torch.empty(self.words(), dtype=torch.int32)
+        with _MEASURING:
+            before = heap_bytes()
+            compiled = LLMatcher(self._tokenizer, grammar, log_level=0)
+            if not compiled.is_error():  # the lexer builds its states here
+                compiled.unsafe_compute_mask_ptr(scratch.data_ptr(), scratch.numel() * 4)
+            after = heap_bytes()
+        if compiled.is_error():
+            raise RequestError("constraint", compiled.get_error())
+        measured = after - before if before is not None and after is not None else 0
+        size = max(measured, len(grammar))
+        if size > self.max_bytes:
+            del compiled  # its memory goes back now, not when the cache would drop it
             with self._lock:
-                self._compiled[constraint] = compiled
-                while len(self._compiled) > CACHE_SIZE:
-                    self._compiled.popitem(last=False)
-        return compiled.deep_copy()
+                self.refusals += 1
+            raise RequestError(
+                "constraint",
+                f"{constraint.kind} compiles to {_mib(size)}; a request's constraint may "
+                f"take at most {_mib(self.max_bytes)} (max_constraint_bytes)",
+            )
+        return compiled, size
 
     def words(self) -> int:
         """int32 words per row of a token bitmask."""

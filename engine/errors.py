@@ -18,15 +18,17 @@ class RequestError(ValueError):
 
 
 class ModelLoadError(EngineError):
-    """A model folder is missing, corrupt, or cannot serve the asked task."""
+    """A model folder is missing, corrupt, or cannot serve the asked task. ``field``: the
+    setting of the folder's config at fault, when one is (an adapter's ``lora_alpha``)."""
 
-    def __init__(self, path: str, message: str):
+    def __init__(self, path: str, message: str, field: str | None = None):
         super().__init__(f"{path}: {message}")
         self.path = path
         self.message = message
+        self.field = field
 
     def __reduce__(self):
-        return type(self), (self.path, self.message)
+        return type(self), (self.path, self.message, self.field)
 
 
 class RequestAborted(Exception):

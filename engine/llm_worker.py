@@ -71,6 +71,7 @@ class LLMWorker(Worker):
         self.scheduler = Scheduler(pool, name, settings, admissible=self._adapter_ready)
         self.max_loras = config.max_loras
         self.max_lora_rank = config.max_lora_rank
+        self._constraint_bytes = (config.max_constraint_bytes, config.constraint_cache_bytes)
         self.sampler = Sampler()
         self.eos_ids = eos_ids(model, tokenizer)
         self.outputs = Outputs(name, tokenizer, self.eos_ids, self.max_model_len)
@@ -334,7 +335,8 @@ class LLMWorker(Worker):
             if self.tokenizer is None:
                 raise RequestError("constraint", f"model {self.name!r} has no tokenizer")
             vocab = self.model.config.get_text_config().vocab_size
-            self._grammars = Grammars(self.tokenizer, vocab, self.eos_ids)
+            limit, cache = self._constraint_bytes
+            self._grammars = Grammars(self.tokenizer, vocab, self.eos_ids, limit, cache)
         return self._grammars
 
     def _masks(self, sampling: list[Sequence]) -> tuple[list[int], torch.Tensor] | None:
@@ -393,12 +395,18 @@ class LLMWorker(Worker):
             "adapter_loads": float(lora.num_loads),
             "adapter_evictions": float(lora.num_evictions),
         }  # fmt: skip
+        grammars = self._grammars
+        constraints = {} if grammars is None else {
+            "constraint_cache_bytes": float(grammars.cache_bytes),
+            "constraint_cache_entries": float(grammars.cache_entries),
+            "constraint_refusals": float(grammars.refusals),
+        }  # fmt: skip
         return ModelStats(
             self.name,
             "llm",
             running=s["running"],
             waiting=s["waiting"],
-            counters={**{k: float(s[k]) for k in keys}, **adapters},
+            counters={**{k: float(s[k]) for k in keys}, **adapters, **constraints},
             windows=self.counters.windows(),
         )
 

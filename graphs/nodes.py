@@ -390,6 +390,8 @@ class GenerateNode(NodeBase):
             raise TemplateRenderError(
                 "messages must be a list of {role, content} with string values"
             )
+        if not messages:  # the request's doing (an empty messages input): a 422, not a 500
+            raise RequestError("messages", "the request gives no messages; send at least one")
         return {
             **payload,
             "messages": [{"role": m["role"], "content": m["content"]} for m in messages],

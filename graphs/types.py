@@ -20,9 +20,12 @@ RESERVED_NAMES = frozenset(
     | {"range", "dict", "lipsum", "cycler", "joiner", "namespace"}
 )
 
-_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SLUG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-_REFERENCE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+# used with fullmatch: a "$" anchor would let a trailing newline through
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SLUG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_REFERENCE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+#: The longest name a graph, model, version or adapter may have.
+MAX_NAME_CHARS = 64
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
 
 
@@ -31,7 +34,7 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m)?\s*$")
 
 def _identifier(kind: str, reserved: frozenset[str] = frozenset()) -> AfterValidator:
     def check(name: str) -> str:
-        if not _IDENT.match(name):
+        if not _IDENT.fullmatch(name):
             raise ValueError(f"{kind} name {name!r} must be a letter or _ then letters, digits, _")
         if name in reserved:
             raise ValueError(f"{kind} name {name!r} is reserved in templates")
@@ -41,7 +44,10 @@ def _identifier(kind: str, reserved: frozenset[str] = frozenset()) -> AfterValid
 
 
 def slug(name: str) -> str:
-    if not _SLUG.match(name):
+    """The one rule for a graph, model, version or adapter name."""
+    if len(name) > MAX_NAME_CHARS:
+        raise ValueError(f"name is {len(name)} characters; at most {MAX_NAME_CHARS}")
+    if not _SLUG.fullmatch(name):
         raise ValueError(f"name {name!r} may use letters, digits, '_', '.', '-' only")
     return name
 
@@ -69,7 +75,7 @@ def _function_ref(value: str) -> str:
 
 
 def _reference(value: str) -> str:
-    if not _REFERENCE.match(value):
+    if not _REFERENCE.fullmatch(value):
         raise ValueError("must look like 'node.field' or 'inputs.name'")
     return value
 

@@ -190,6 +190,8 @@ def admin_server(tmp_path_factory):
         ({"version": "a:1%,b", "path": "MODEL"}, "version"),
         ({"version": "../x", "path": "MODEL"}, "version"),
         ({"version": "v 3", "path": "MODEL"}, "version"),
+        ({"version": "v2\n", "path": "MODEL"}, "version"),  # a "$" anchor let this through
+        ({"version": "v" * 1000, "path": "MODEL"}, "version"),
     ],
 )
 def test_bad_upload_names_and_paths_are_422_and_change_nothing(admin_server, body, field):

@@ -6,7 +6,7 @@
     trae validate GRAPH.yaml...          exit 1 with file:line messages when invalid
     trae show GRAPH.yaml [--format text|mermaid|dot|png] [--output FILE]
     trae model info GRAPH.yaml... [--detail] [--json]
-    trae model route GRAPH MODEL [--split "v1:90%,v2:10%"] [--url URL] [--token T]
+    trae model route MODEL [--graph G] [--split "v1:90%,v2:10%"] [--url URL] [--token T]
     trae health [--url URL]
     trae profile plot FILE [-o mem.png]    a memory profile (serve --memory-profile) as a chart
     trae bench GRAPH.yaml --clients N --requests M [--url URL] [--input JSON]
@@ -23,6 +23,7 @@ import dataclasses
 import gc
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -41,6 +42,28 @@ def parse_size(text: str) -> int:
         return bytes_of(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0-65535 (0: any free one), checked before anything loads."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is outside 0-65535")
+    return port
+
+
+def _seconds(text: str) -> float:
+    """A finite, non-negative number of seconds (no nan, no inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number of seconds >= 0")
+    return value
 
 
 def _json_arg(text: str) -> Any:
@@ -401,14 +424,18 @@ def _admin(args: argparse.Namespace, method: str, path: str, body: dict | None =
     import httpx
 
     token = args.token or os.environ.get("TRAE_ADMIN_TOKEN", "")
-    with httpx.Client(base_url=args.url, timeout=args.timeout) as client:
-        graph = _graph_of(client, args)
-        if graph is None:
-            return 1
-        response = client.request(
-            method, path.format(graph=graph, model=args.model), json=body,
-            headers={"Authorization": f"Bearer {token}"},
-        )  # fmt: skip
+    try:
+        with httpx.Client(base_url=args.url, timeout=args.timeout) as client:
+            graph = _graph_of(client, args)
+            if graph is None:
+                return 1
+            response = client.request(
+                method, path.format(graph=graph, model=args.model), json=body,
+                headers={"Authorization": f"Bearer {token}"},
+            )  # fmt: skip
+    except httpx.TransportError as exc:  # server down, refused, timed out: one line
+        print(f"error: cannot reach {args.url}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
     if response.status_code != 200:
         _print_error(response.json())
         return 1
@@ -589,10 +616,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve graphs over HTTP")
     serve.add_argument("graphs", nargs="+", metavar="GRAPH.yaml")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--max-inflight", type=int, default=256, help="per graph; 429 beyond")
     serve.add_argument("--max-body-bytes", type=parse_size, default=1 << 20)
-    serve.add_argument("--grace", type=float, default=30.0, help="seconds to drain on exit")
+    serve.add_argument("--grace", type=_seconds, default=30.0, help="seconds to drain on exit")
     serve.add_argument("--admin-token", default=None, help="default: $TRAE_ADMIN_TOKEN")
     serve.add_argument(
         "--header-timeout", type=float, default=10.0, help="seconds for a request's headers"
@@ -651,7 +678,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="prepare and serve the embedded support demo")
     demo.add_argument("--host", default="127.0.0.1")
-    demo.add_argument("--port", type=int, default=8000)
+    demo.add_argument("--port", type=_port, default=8000)
     demo.add_argument("--no-example", action="store_true", help="do not send the example request")
     demo.set_defaults(run=cmd_demo)
 

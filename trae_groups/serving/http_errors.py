@@ -217,7 +217,7 @@ def _field_of(exc: BaseException) -> str | None:
     if isinstance(exc, NodeError) and isinstance(exc.cause, RequestError):
         return exc.cause.field
     if isinstance(exc, ModelLoadError):
-        return "models"
+        return exc.field or "models"
     if isinstance(exc, RouteError):
         return "split"
     return None

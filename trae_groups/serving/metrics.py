@@ -382,6 +382,18 @@ def _llm_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
         for model, m in stats.items():
             family.add_metric([model], float(getattr(m, attr)))
         yield family
+    cache = [  # engine/constraints.py: measured bytes of compiled constraints kept for reuse
+        ("trae_llm_constraint_cache_bytes", "Bytes of compiled constraints cached",
+         "constraint_cache_bytes"),
+        ("trae_llm_constraint_cache_entries", "Compiled constraints cached",
+         "constraint_cache_entries"),
+    ]  # fmt: skip
+    for name, doc, key in cache:
+        family = GaugeMetricFamily(name, doc, labels=["model"])
+        for model, m in stats.items():
+            if key in m.counters:
+                family.add_metric([model], m.counters[key])
+        yield family
     counters = [
         ("trae_llm_generated_tokens", "Tokens generated", "generated_tokens"),
         ("trae_llm_prompt_tokens", "Prompt tokens prefilled", "prompt_tokens"),
@@ -392,6 +404,11 @@ def _llm_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
             "trae_llm_deadline_drops",
             "Sequences the engine dropped past their deadline",
             "deadline_drops",
+        ),
+        (
+            "trae_llm_constraint_refusals",
+            "Constraints refused for compiling to more than max_constraint_bytes",
+            "constraint_refusals",
         ),
     ]
     for name, doc, key in counters:

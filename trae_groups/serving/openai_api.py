@@ -43,7 +43,7 @@ from starlette.routing import Route
 
 from trae_groups.engine.constraints import Constraint
 from trae_groups.engine.deadlines import Priority, tightest
-from trae_groups.engine.errors import DeadlineExceeded
+from trae_groups.engine.errors import DeadlineExceeded, RequestError
 from trae_groups.engine.protocol import (
     EncodeOptions,
     EncodeRequest,
@@ -243,9 +243,18 @@ def targets(graphs: Mapping[str, ServedGraph]) -> dict[str, Target]:
         spec = target.served.spec.models[target.model]
         for name in spec.adapters or {}:
             found[f"{target.id}:{name}"] = _adapter_target(target, adapter=name)
-        for name in spec.version_adapters:
+        for name in _adapter_versions(target):
             found[f"{target.id}:{name}"] = _adapter_target(target, version=name)
     return found
+
+
+def _adapter_versions(llm: Target) -> list[str]:
+    """An LLM's versions that are adapters: the graph file's, and those uploaded since
+    (served now, so an unloaded one is gone)."""
+    named = list(llm.served.spec.models[llm.model].version_adapters)
+    live = llm.served.executor.models[llm.model].clients
+    uploaded = [v for v, c in live.items() if isinstance(getattr(c, "adapter", None), str)]
+    return [v for v in dict.fromkeys(named + uploaded) if v in live]
 
 
 def _adapter_target(llm: Target, **which: str) -> Target:
@@ -303,8 +312,9 @@ async def chat_completions(request: Request) -> Response:
         params = _params(body, target, max_tokens, constraint)
         tools = body.shown()
         start = _LLMCall.factory(
-            target, params, messages=messages, user=body.user, tools=tools, due=due
-        )
+            target, params, messages=messages, user=body.user, tools=tools, due=due,
+            field="tools" if forced else source,
+        )  # fmt: skip
     calls = forced or (body.tools if body.tool_choice != "none" else None)
     return await _respond(request, state, target, body, start, chat=True, tools=calls)
 
@@ -315,7 +325,7 @@ async def completions(request: Request) -> Response:
     target = resolve(state, body.model)
     if target.model is None:
         raise HTTPError(422, f"'{target.id}' is a graph: use /v1/chat/completions", field="model")
-    constraint, _source = body.constraint()
+    constraint, source = body.constraint()
     _for_an_llm(target, "completions", False)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -324,7 +334,7 @@ async def completions(request: Request) -> Response:
         prompt = prompt[0]
     params = _params(body, target, body.max_tokens, constraint)
     due = (body.timeout, header_deadline(request))
-    start = _LLMCall.factory(target, params, prompt=prompt, user=body.user, due=due)
+    start = _LLMCall.factory(target, params, prompt=prompt, user=body.user, due=due, field=source)
     return await _respond(request, state, target, body, start, chat=False)
 
 
@@ -432,10 +442,20 @@ class _LLMCall:
 
     result: RunResult | None = None  # a model call has no graph run
 
-    def __init__(self, target: Target, client: ModelClient, request: GenerateRequest):
+    def __init__(
+        self,
+        target: Target,
+        client: ModelClient,
+        request: GenerateRequest,
+        field: str | None = None,
+    ):
         self.target, self.client = target, client
+        self.field = field  # the body's field that asked for the constraint, if any
         self.request_id = request.request_id
-        self.stream = client.generate(request)  # a RequestError here is a 422
+        try:
+            self.stream = client.generate(request)  # a RequestError here is a 422
+        except RequestError as exc:
+            raise self._named(exc) from None
         self._first: GenerationChunk | None = None
 
     @classmethod
@@ -449,6 +469,7 @@ class _LLMCall:
         user=None,
         tools=None,
         due: tuple[float | None, float | None] = (None, None),
+        field: str | None = None,
     ):
         """Submits when called with the request's run scope, on the executor it was
         admitted on. ``due``: the body's ``timeout`` and the X-Request-Deadline header's
@@ -469,13 +490,22 @@ class _LLMCall:
                 tools=tuple(tools) if tools else None,
                 adapter=target.adapter,
             )
-            return cls(target, client, request)
+            return cls(target, client, request, field)
 
         return start
 
     async def open(self) -> None:
         """Wait for the first chunk, so an error before any output keeps its status."""
-        self._first = await anext(self.stream, None)
+        try:
+            self._first = await anext(self.stream, None)
+        except RequestError as exc:
+            raise self._named(exc) from None
+
+    def _named(self, exc: RequestError) -> Exception:
+        """The engine's ``constraint`` is the body's field that asked for it."""
+        if exc.field != "constraint" or self.field is None:
+            return exc
+        return HTTPError(422, f"{self.field}: {exc.message}", field=self.field)
 
     def close(self) -> None:
         self.client.abort(self.request_id)  # a no-op once the generation finished
