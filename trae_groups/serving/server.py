@@ -57,7 +57,13 @@ log = logging.getLogger("trae_groups.server")  # unchanged by the move to servin
 
 
 async def health(request: Request) -> Response:
+    """200 while the process serves; 503 with the reason while its engine process is
+    down (it is being restarted)."""
     state: AppState = request.app.state.trae
+    down = state.engine_down()
+    if down is not None:
+        body = {"status": "unavailable", "reason": down, "draining": state.draining}
+        return JSONResponse(body, status_code=503)
     return JSONResponse({"status": "ok", "draining": state.draining})
 
 
