@@ -493,6 +493,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             openai_timeout_s=args.openai_timeout,
             memory_profile=args.memory_profile,
             memory_profile_interval_s=args.memory_interval,
+            engine_process=args.engine_process,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -616,6 +617,13 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument(
         "--memory-interval", type=float, default=1.0, help="seconds between memory samples"
+    )
+    serve.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine (models, pool, loop, scheduler) in a child process of its own, "
+        "restarted if it dies; --no-engine-process keeps it in the HTTP process",
     )
     serve.add_argument(
         "--ray",

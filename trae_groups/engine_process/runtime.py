@@ -78,8 +78,15 @@ class Stream:
 class EngineProcessRuntime:
     """Every model of every served graph, on one engine in a child process."""
 
-    def __init__(self, config: EngineConfig | None = None, log_level: str | None = None):
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        log_level: str | None = None,
+        restart_backoff_s: tuple[float, ...] = RESTART_BACKOFF_S,
+    ):
+        """``restart_backoff_s``: the wait before each try to restart a dead child."""
         self.config = config or EngineConfig()
+        self.restart_backoff_s = restart_backoff_s
         self.log_level = log_level or logging.getLevelName(log.getEffectiveLevel())
         self.graphs: dict[str, GraphExecutor] = {}
         self.restarts = 0  # children started after the first
@@ -209,7 +216,7 @@ class EngineProcessRuntime:
     def _restart(self) -> None:
         """A new child, given the journal again; bounded tries with backoff."""
         error = ""
-        for wait in RESTART_BACKOFF_S:
+        for wait in self.restart_backoff_s:
             time.sleep(wait)
             if self._closing:
                 return
@@ -368,8 +375,13 @@ class EngineProcessRuntime:
         if len(versioned.clients) == 1:
             raise RouteError(f"{version!r} is the only version of {model!r}")
         binding = self._bindings[self.graphs[graph]]
-        self._journaled("remove_version", (binding, model, version), binding)
-        versioned.remove(version)
+        source = versioned.sources.get(version)
+        client = versioned.remove(version)  # refuses while a route still sends it traffic
+        try:
+            self._journaled("remove_version", (binding, model, version), binding)
+        except Exception:  # an adapter version still serving requests: it stays (at 0%)
+            versioned.add(version, client, source)
+            raise
 
     def stats(self) -> EngineStats | None:
         """The child's stats; None while it is down (or too slow to answer a scrape)."""
