@@ -225,16 +225,20 @@ class EngineProcessRuntime:
                     self._spawn()
                     for op, args, _ in list(self._journal):
                         self.call(op, *args)
+                if self._closing:  # shut down meanwhile: this child is not wanted
+                    raise EngineLost("the server is shutting down")
                 self.restarts += 1
                 self._down = None
                 log.info("engine process restarted (pid %d)", self.pid)
                 return
             except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                log.error("restarting the engine process failed: %s", error)
                 with self._lock:
                     proc = self._proc
-                _stop(proc, KILL_TIMEOUT_S)
+                _stop(proc, 0)  # a child that started but could not load: SIGTERM it
+                if self._closing:
+                    return
+                error = f"{type(exc).__name__}: {exc}"
+                log.error("restarting the engine process failed: %s", error)
         self._down = f"the engine process died and could not be restarted ({error})"
 
     # -- calls ------------------------------------------------------------------------

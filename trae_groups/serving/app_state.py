@@ -256,7 +256,8 @@ class AppState:
         and is being restarted), or None."""
         if self.runtime is None or not self.ready:
             return None
-        return self.runtime.unavailable()
+        unavailable = getattr(self.runtime, "unavailable", None)  # a runtime of before
+        return unavailable() if unavailable is not None else None
 
     def close(self) -> None:
         if self.profiler is not None:
