@@ -11,6 +11,9 @@ tokens, a short prompt) over HTTP: ``--requests-1`` one after the other, then
 - inter-token latency at concurrency 1: per request, (time of its last text chunk -
   time of its first) / (new - 1), as the client sees it; the median over requests
 - throughput at concurrency ``--clients``: completion tokens / wall seconds of the burst
+- CPU seconds the front (``trae serve`` itself) and the engine process used during the
+  burst, per 1000 tokens: what a second front process (``--api-workers``) could take
+  off the engine's cores
 
 Prints the split / one-process ratio of each. Never asserts: absolute figures drift on a
 shared machine; compare the ratios of one run.
@@ -35,6 +38,7 @@ import httpx
 
 GRAPH = """
 name: bench
+timeout: 900  # admission's capacity bound (429 Overloaded) goes by it: the burst must pass
 models:
   llm: {{source: {folder}, task: generate, dtype: {dtype}}}
 inputs: {{text: str}}
@@ -88,7 +92,22 @@ async def one(http: httpx.AsyncClient, new: int) -> tuple[float, int]:
     return (times[-1] - times[0]) / max(1, new - 1), len(times)
 
 
-async def round_(url: str, args: argparse.Namespace) -> dict:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_pids(pid: int) -> list[int]:
+    """The server's child processes (the engine process, when split)."""
+    try:
+        found = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    return [int(p) for p in found]
+
+
+async def round_(url: str, args: argparse.Namespace, pid: int) -> dict:
     limits = httpx.Limits(max_connections=args.clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
         await one(http, args.new)  # warm-up
@@ -98,11 +117,15 @@ async def round_(url: str, args: argparse.Namespace) -> dict:
             for _ in range(args.per_client):
                 await one(http, args.new)
 
+        children = engine_pids(pid)
+        cpu = [cpu_seconds(pid), sum(map(cpu_seconds, children))]
         began = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(args.clients)))
         wall = time.perf_counter() - began
+        used = [cpu_seconds(pid) - cpu[0], sum(map(cpu_seconds, children)) - cpu[1]]
     tokens = args.clients * args.per_client * args.new
-    return {"itl_ms": 1000 * statistics.median(itl), "tok_s": tokens / wall}
+    return {"itl_ms": 1000 * statistics.median(itl), "tok_s": tokens / wall,
+            "front_cpu": 1000 * used[0] / tokens, "engine_cpu": 1000 * used[1] / tokens}  # fmt: skip
 
 
 def main() -> None:
@@ -124,22 +147,29 @@ def main() -> None:
         for split in (r % 2 == 0, r % 2 != 0):  # the order alternates from round to round
             server, url = start(graph, split, args.pool_bytes)
             try:
-                report = asyncio.run(round_(url, args))
+                report = asyncio.run(round_(url, args, server.pid))
             finally:
                 server.send_signal(signal.SIGTERM)
                 server.wait(120)
             results[split].append(report)
             name = "split" if split else "one process"
             print(f"round {r + 1} {name:11}: ITL@1 {report['itl_ms']:6.2f} ms/token, "
-                  f"c={args.clients} {report['tok_s']:7.1f} tok/s", flush=True)  # fmt: skip
-    med = {s: {k: statistics.median(x[k] for x in results[s]) for k in ("itl_ms", "tok_s")}
-           for s in results}  # fmt: skip
+                  f"c={args.clients} {report['tok_s']:7.1f} tok/s, CPU s per 1000 tokens: "
+                  f"front {report['front_cpu']:.2f}, engine process {report['engine_cpu']:.2f}",
+                  flush=True)  # fmt: skip
+    keys = ("itl_ms", "tok_s", "front_cpu", "engine_cpu")
+    med = {s: {k: statistics.median(x[k] for x in results[s]) for k in keys} for s in results}
     print(f"\n{args.model_dir.name}, {args.dtype}, {os.cpu_count()} CPUs, {args.rounds} rounds "
           f"(medians); split / one process:")  # fmt: skip
     for key, label in (("itl_ms", "inter-token latency at c=1"),
                        ("tok_s", f"throughput at c={args.clients}")):  # fmt: skip
         a, b = med[True][key], med[False][key]
         print(f"  {label:30} split {a:8.2f}  one process {b:8.2f}  ratio {a / b:.3f}")
+    front, engine = med[True]["front_cpu"], med[True]["engine_cpu"]
+    print(
+        f"  split, CPU s per 1000 tokens at c={args.clients}: front {front:.2f}, engine "
+        f"process {engine:.2f} (the front's share: {front / max(1e-9, front + engine):.0%})"
+    )
 
 
 if __name__ == "__main__":

@@ -192,7 +192,7 @@ class EngineServer:
 
     async def _call(self, cid: int, op: str, args: tuple) -> None:
         method = getattr(self, f"op_{op}", None)
-        pool = self.reads if op in ("stats", "model_stats") else self.admin
+        pool = self.reads if op in ("stats", "model_stats", "running") else self.admin
         try:
             if method is None:
                 raise RequestError("op", f"the engine process has no operation {op!r}")

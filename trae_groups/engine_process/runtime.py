@@ -57,8 +57,14 @@ MAX_RESTARTS = 10
 #: How long shutdown waits for the child to stop by itself, then after SIGTERM.
 STOP_TIMEOUT_S = 30.0
 KILL_TIMEOUT_S = 5.0
+#: How long a child whose channel closed is given to be reaped before the reason is told.
+EXIT_WAIT_S = 3.0
 #: A stats read (a metrics scrape) waits this long for the child, then reports none.
 STATS_TIMEOUT_S = 10.0
+#: The front asks a serving child every HEARTBEAT_S whether it runs; one that has not
+#: answered within HUNG_AFTER_S (its event loop stuck) is killed, and so restarted.
+HEARTBEAT_S = 5.0
+HUNG_AFTER_S = 60.0
 
 
 class EngineLost(EngineStopped):
@@ -110,7 +116,11 @@ class EngineProcessRuntime:
         """A child started for the graphs (its host sized for all their models)."""
         runtime = cls(config, **kwargs)
         runtime._spawn()
-        runtime._journaled("init", (list(specs), runtime.config))
+        try:
+            runtime._journaled("init", (list(specs), runtime.config))
+        except BaseException:
+            runtime.shutdown()  # nobody else holds it yet to stop it
+            raise
         return runtime
 
     # -- the child process ----------------------------------------------------------------
@@ -197,7 +207,8 @@ class EngineProcessRuntime:
         if closing or not serving:
             lost = EngineLost(self._down or "the server is shutting down")
         else:
-            _stop(proc, KILL_TIMEOUT_S)  # it closed its end: it is exiting, or is made to
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(EXIT_WAIT_S)  # for its exit status: the reason says how it ended
             self._down = f"the engine process exited ({_exit_text(proc)}); restarting it"
             log.error("%s (%s)", self._down, reason)
             lost = EngineLost(self._down)
@@ -215,6 +226,9 @@ class EngineProcessRuntime:
 
     def _restart(self) -> None:
         """A new child, given the journal again; bounded tries with backoff."""
+        with self._lock:
+            dead = self._proc
+        _stop(dead, KILL_TIMEOUT_S)  # it closed its end: it is exiting, or is made to
         error = ""
         for wait in self.restart_backoff_s:
             time.sleep(wait)
@@ -310,6 +324,26 @@ class EngineProcessRuntime:
     def start(self) -> None:
         self._journaled("start", ())
         self._down = None
+        threading.Thread(target=self._heartbeat, name="trae-engine-heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        """A child that is alive but stuck would hang every request: kill it instead."""
+        while not self._closing:
+            time.sleep(HEARTBEAT_S)
+            if self._down is not None or self._closing:
+                continue
+            with self._lock:
+                proc = self._proc
+            try:
+                self.call("running", timeout=HUNG_AFTER_S)
+            except TimeoutError:
+                if not self._closing and proc is not None and proc.poll() is None:
+                    log.error(
+                        "the engine process did not answer for %.0f s: killing it", HUNG_AFTER_S
+                    )
+                    proc.kill()  # its channel closes: the death path restarts it
+            except EngineStopped:
+                pass  # died meanwhile: the death path has it
 
     def shutdown(self) -> None:
         """Ask the child to stop; SIGTERM, then SIGKILL, if it does not in time."""
