@@ -339,7 +339,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serve(root: Path, *args: str) -> tuple[subprocess.Popen, str]:
+def start_serve(root: Path, *args: str, log=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
     """``trae serve`` in a subprocess (its own session) on a free port, once /ready says so."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -348,7 +348,7 @@ def start_serve(root: Path, *args: str) -> tuple[subprocess.Popen, str]:
         [sys.executable, "-m", "trae_groups.cli", "serve", "story.yaml", *args,
          "--port", str(port), "--pool-bytes", "16MiB", "--grace", "30"],
         cwd=root, env={**os.environ, "PYTHONPATH": os.pathsep.join(paths)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdout=log, stderr=log, start_new_session=True,
     )  # fmt: skip
     for _ in range(1200):  # bounded: a few minutes on a loaded machine
         try:
@@ -399,3 +399,46 @@ def test_trae_serve_without_the_split_has_no_engine_process(root):
         if server.poll() is None:
             server.kill()
             server.wait(30)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_api_workers_share_one_engine_and_no_process_outlives_them(root, tmp_path, sig):
+    log = (tmp_path / "serve.log").open("w")
+    server, url = start_serve(root, "--api-workers", "2", "--admin-token", TOKEN, log=log)
+    try:
+        processes = family(server.pid)
+        kinds = sorted(
+            "engine" if CHILD_MODULE in " ".join(p.cmdline()) else "front" for p in processes
+        )
+        assert kinds == ["engine", "front", "front"]  # two fronts, one engine
+        worker = next(p for p in processes[1:] if "api_workers" in " ".join(p.cmdline()))
+        wait_until(
+            lambda: f"[api {worker.pid}]: ready" in (tmp_path / "serve.log").read_text(),
+            "the worker front attached to the engine and ready",
+        )
+
+        async def burst() -> list[int]:
+            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+                body = {"inputs": {"text": "hello world"}}
+                answers = await asyncio.gather(
+                    *(http.post("/v1/graphs/story", json=body) for _ in range(8))
+                )
+            return [a.status_code for a in answers]
+
+        assert asyncio.run(burst()) == [200] * 8
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        change = httpx.post(
+            f"{url}/admin/graphs/story/models/dialog/route",
+            json={"split": "default:100%"}, headers=auth, timeout=60,
+        )  # fmt: skip
+        assert (change.status_code, change.json()["error"]["type"]) == (409, "SeveralFronts")
+        os.kill(server.pid, sig)
+        code = server.wait(120)
+        assert code == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+        _, alive = psutil.wait_procs(processes, timeout=120)
+        assert alive == []
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(30)
+        log.close()

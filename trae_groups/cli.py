@@ -494,6 +494,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             memory_profile=args.memory_profile,
             memory_profile_interval_s=args.memory_interval,
             engine_process=args.engine_process,
+            api_workers=args.api_workers,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -625,6 +626,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the engine (models, pool, loop, scheduler) in a child process of its own, "
         "restarted if it dies; --no-engine-process keeps it in the HTTP process",
     )
+    serve.add_argument(
+        "--api-workers", type=int, default=1, metavar="N",
+        help="HTTP front processes sharing the one engine process (default 1); admin "
+        "changes need 1",
+    )  # fmt: skip
     serve.add_argument(
         "--ray",
         nargs="?",

@@ -1,8 +1,9 @@
 """The engine process: today's ``ModelHost`` (models, pool, loop, scheduler) driven by
 messages from the front.
 
-``python -m trae_groups.engine_process.child FD [LOG_LEVEL]``, started by the
-front's ``EngineProcessRuntime`` with its end of a socket pair as FD. Messages
+``python -m trae_groups.engine_process.child FD [LOG_LEVEL [LISTEN]]``, started by the
+front's ``EngineProcessRuntime`` with its end of a socket pair as FD (LISTEN: a Unix
+socket path more fronts attach to, ``trae serve --api-workers``). Messages
 (tuples; ``wire.py`` frames them):
 
 front → engine                               engine → front
@@ -63,28 +64,51 @@ class Binding:
 
 @dataclass
 class Live:
-    """A generation in flight: the task that pumps its chunks, and how to abort it."""
+    """A generation in flight: the task that pumps its chunks, how to abort it, and the
+    front it answers."""
 
     task: asyncio.Task
     client: ModelClient
     request_id: str
+    front: Channel
 
 
 class EngineServer:
-    """What runs in the engine process: the host, the bindings, the live streams."""
+    """What runs in the engine process: the host, the bindings, the live streams.
 
-    def __init__(self, conn: Connection):
+    The front that started the process owns it (its channel closing stops the
+    process); with ``listen``, more fronts (``trae serve --api-workers``) attach over a
+    Unix socket at that path, and one of them leaving only ends its own work. Ids of
+    bindings, streams and calls are unique across fronts (each front mints its own).
+    """
+
+    def __init__(self, conn: Connection, listen: str | None = None):
         self.host: ModelHost | None = None
         self.bindings: dict[int, Binding] = {}
+        self.binders: dict[int, Channel] = {}  # binding -> the front that bound it
         self.streams: dict[int, Live] = {}  # sid -> the task pumping it
-        self.encodes: dict[int, asyncio.Task] = {}  # cid -> the task running it
-        self.outbox: list[tuple] = []
+        self.encodes: dict[int, tuple[asyncio.Task, Channel]] = {}  # cid -> its task
+        self.outbox: dict[Channel, list[tuple]] = {}
         self.admin = ThreadPoolExecutor(1, thread_name_prefix="trae-engine-admin")
         self.reads = ThreadPoolExecutor(1, thread_name_prefix="trae-engine-reads")
-        self.channel = Channel(conn, self._received, self._closed, "trae-engine")
+        self.channel = self._front(conn, "trae-engine")
+        self.listen = listen
         self.parent = os.getppid()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.done: asyncio.Event | None = None
+
+    def _front(self, conn: Connection, name: str) -> Channel:
+        channel: Channel | None = None
+
+        def received(messages: list[tuple]) -> None:
+            with suppress(RuntimeError):  # the loop is closing
+                self.loop.call_soon_threadsafe(self._dispatch, channel, messages)
+
+        def closed(reason: str) -> None:
+            self._closed(channel, reason)
+
+        channel = Channel(conn, received, closed, name)
+        return channel
 
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -93,20 +117,28 @@ class EngineServer:
         self.channel.send(("hello", os.getpid()))
         threading.Thread(target=self._watch_parent, name="trae-engine-parent", daemon=True).start()
         await self.done.wait()
-        for task in [*(s.task for s in self.streams.values()), *self.encodes.values()]:
+        for task in [*(s.task for s in self.streams.values())] + [
+            t for t, _ in self.encodes.values()
+        ]:
             task.cancel()
         await asyncio.sleep(0)
         if self.host is not None:
             await self.loop.run_in_executor(self.reads, self.host.shutdown)
+        if self.listen:  # the socket and its private folder (trae serve --api-workers)
+            with suppress(OSError):
+                os.unlink(self.listen)
+                os.rmdir(os.path.dirname(self.listen))
         self.channel.close(wait_s=5.0)
 
-    # -- from the reader thread ---------------------------------------------------------
-    def _received(self, messages: list[tuple]) -> None:
-        with suppress(RuntimeError):  # the loop is closing
-            self.loop.call_soon_threadsafe(self._dispatch, messages)
-
-    def _closed(self, reason: str) -> None:
-        """The front is gone: stop, and exit whatever happens within EXIT_GRACE_S."""
+    # -- from the reader threads --------------------------------------------------------
+    def _closed(self, front: Channel, reason: str) -> None:
+        """The owner gone: stop, and exit whatever happens within EXIT_GRACE_S. Another
+        front gone: its work ends, its bindings are released."""
+        if front is not self.channel:
+            log.info("engine process: an attached front went away (%s)", reason)
+            with suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self._detach, front)
+            return
         log.info("engine process: the front went away (%s); stopping", reason)
         _exit_after(EXIT_GRACE_S)
         with suppress(RuntimeError):
@@ -117,16 +149,32 @@ class EngineServer:
         not close it: a new parent (the process was re-parented) stops this one too."""
         while not self.channel.closed:
             if os.getppid() != self.parent:
-                self._closed("its process exited")
+                self._closed(self.channel, "its process exited")
                 return
             threading.Event().wait(PARENT_CHECK_S)
 
+    def _accept(self) -> None:
+        """More fronts, on the Unix socket at ``listen`` (its folder is private to the user)."""
+        from multiprocessing.connection import Listener
+
+        with suppress(FileNotFoundError):
+            os.unlink(self.listen)  # the socket of an engine process that died
+        with Listener(self.listen, family="AF_UNIX") as listener:
+            while not self.channel.closed:
+                try:
+                    conn = listener.accept()
+                except OSError:
+                    return
+                front = self._front(conn, "trae-engine-attached")
+                front.start()
+                front.send(("hello", os.getpid()))
+
     # -- on the event loop --------------------------------------------------------------
-    def _dispatch(self, messages: list[tuple]) -> None:
+    def _dispatch(self, front: Channel, messages: list[tuple]) -> None:
         for message in messages:
             kind = message[0]
             if kind == "gen":
-                self._generate(*message[1:])
+                self._generate(front, *message[1:])
             elif kind == "abort":
                 live = self.streams.get(message[1])
                 if live is not None:  # the engine finishes it as "abort"; that chunk follows
@@ -137,69 +185,95 @@ class EngineServer:
                     live.task.cancel()  # closing the stream aborts the engine work
             elif kind == "enc":
                 cid = message[1]
-                self.encodes[cid] = self.loop.create_task(self._encode(*message[1:]))
+                task = self.loop.create_task(self._encode(front, *message[1:]))
+                self.encodes[cid] = (task, front)
             elif kind == "cancel":
-                task = self.encodes.pop(message[1], None)
-                if task is not None:
-                    task.cancel()
+                running = self.encodes.pop(message[1], None)
+                if running is not None:
+                    running[0].cancel()
             elif kind == "call":
-                self.loop.create_task(self._call(*message[1:]))
+                self.loop.create_task(self._call(front, *message[1:]))
 
-    def _out(self, sid: int, chunk: Any, error: BaseException | None = None) -> None:
+    def _detach(self, front: Channel) -> None:
+        """An attached front left: cancel its work, release what it bound."""
+        for sid, live in list(self.streams.items()):
+            if live.front is front:
+                self.streams.pop(sid, None)
+                live.task.cancel()
+        for cid, (task, owner) in list(self.encodes.items()):
+            if owner is front:
+                self.encodes.pop(cid, None)
+                task.cancel()
+        self.outbox.pop(front, None)
+        for binding in [b for b, f in self.binders.items() if f is front]:
+            del self.binders[binding]
+            self.loop.run_in_executor(self.admin, self.op_release, binding)
+
+    def _out(
+        self, front: Channel, sid: int, chunk: Any, error: BaseException | None = None
+    ) -> None:
         """Queue one stream's chunk (or error); everything queued before the loop gets
-        back to its scheduled callbacks leaves as one message."""
+        back to its scheduled callbacks leaves as one message per front."""
         fields = chunk_fields(chunk) if chunk is not None else None
-        self.outbox.append((sid, fields, pack_error(error) if error is not None else None))
-        if len(self.outbox) == 1:
+        if not self.outbox:
             self.loop.call_soon(self._flush)
+        entry = (sid, fields, pack_error(error) if error is not None else None)
+        self.outbox.setdefault(front, []).append(entry)
 
     def _flush(self) -> None:
-        batch, self.outbox = self.outbox, []
-        if batch:
-            self.channel.send(("out", batch))
+        batches, self.outbox = self.outbox, {}
+        for front, batch in batches.items():
+            front.send(("out", batch))
 
-    def _generate(self, sid: int, binding: int, key: tuple, request: Any) -> None:
+    def _generate(self, front: Channel, sid: int, binding: int, key: tuple, request: Any) -> None:
         try:
-            stream = self._client(binding, key).generate(request)
+            client = self._client(binding, key)
+            stream = client.generate(request)
         except Exception as exc:  # RequestError, EngineStopped, ...: before any work
-            self._out(sid, None, exc)
+            self._out(front, sid, None, exc)
             return
-        task = self.loop.create_task(self._pump(sid, stream))
-        self.streams[sid] = Live(task, self._client(binding, key), request.request_id)
+        task = self.loop.create_task(self._pump(front, sid, stream))
+        self.streams[sid] = Live(task, client, request.request_id, front)
 
-    async def _pump(self, sid: int, stream: Any) -> None:
+    async def _pump(self, front: Channel, sid: int, stream: Any) -> None:
         try:
             async with aclosing(stream):
                 async for chunk in stream:
-                    self._out(sid, chunk)
+                    self._out(front, sid, chunk)
         except asyncio.CancelledError:
             pass  # aborted by the front: aclosing closed the stream, which aborted the work
         except Exception as exc:
-            self._out(sid, None, exc)
+            self._out(front, sid, None, exc)
         finally:
             self.streams.pop(sid, None)
 
-    async def _encode(self, cid: int, binding: int, key: tuple, request: Any) -> None:
+    async def _encode(
+        self, front: Channel, cid: int, binding: int, key: tuple, request: Any
+    ) -> None:
         try:
             result = await self._client(binding, key).encode(request)
-            self.channel.send(("reply", cid, True, result))
+            front.send(("reply", cid, True, result))
         except asyncio.CancelledError:
             pass
         except Exception as exc:
-            self.channel.send(("reply", cid, False, pack_error(exc)))
+            front.send(("reply", cid, False, pack_error(exc)))
         finally:
             self.encodes.pop(cid, None)
 
-    async def _call(self, cid: int, op: str, args: tuple) -> None:
+    async def _call(self, front: Channel, cid: int, op: str, args: tuple) -> None:
         method = getattr(self, f"op_{op}", None)
         pool = self.reads if op in ("stats", "model_stats", "running") else self.admin
         try:
             if method is None:
                 raise RequestError("op", f"the engine process has no operation {op!r}")
+            if op in ("init", "start", "shutdown") and front is not self.channel:
+                raise RequestError("op", f"only the front that started the engine may {op} it")
             value = await self.loop.run_in_executor(pool, method, *args)
-            self.channel.send(("reply", cid, True, value))
+            if op == "bind":
+                self.binders[args[0]] = front
+            front.send(("reply", cid, True, value))
         except Exception as exc:
-            self.channel.send(("reply", cid, False, pack_error(exc)))
+            front.send(("reply", cid, False, pack_error(exc)))
         if op == "shutdown":
             self.done.set()
 
@@ -212,7 +286,10 @@ class EngineServer:
 
     # -- operations (admin thread; reads on their own) ----------------------------------
     def op_init(self, specs: list[GraphSpec], config: Any) -> None:
+        """The host, sized for every graph's models; then other fronts may attach."""
         self.host = host_for(specs, config)
+        if self.listen:
+            threading.Thread(target=self._accept, name="trae-engine-accept", daemon=True).start()
 
     def op_bind(self, binding: int, spec: GraphSpec) -> dict[tuple, tuple[str, str]]:
         """Load a graph's models (those loaded already are shared); (model, version) ->
@@ -226,6 +303,7 @@ class EngineServer:
         settle_heap()
 
     def op_release(self, binding: int) -> None:
+        self.binders.pop(binding, None)
         held = self.bindings.pop(binding, None)
         if held is not None:
             for client in held.clients.values():
@@ -291,7 +369,8 @@ def main(argv: list[str]) -> int:
         level=level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s"
     )
     conn = Connection(int(argv[1]))
-    asyncio.run(EngineServer(conn).serve())
+    listen = argv[3] if len(argv) > 3 and argv[3] != "-" else None
+    asyncio.run(EngineServer(conn, listen).serve())
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # engine threads are stopped; do not wait on anything else

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -52,6 +53,8 @@ HELLO_TIMEOUT_S = 120.0
 #: Waits before each restart of a dead child; one failed start after the other, then it
 #: stays down (503 with the reason) until the server restarts.
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+#: An attached front's waits for the owner's restarted engine process (about two minutes).
+ATTACH_BACKOFF_S = (0.5, 1.0, 2.0) + (4.0,) * 30
 #: Restarts in one server's life; past them a crash loop stays down (503 with the reason).
 MAX_RESTARTS = 10
 #: How long shutdown waits for the child to stop by itself, then after SIGTERM.
@@ -89,15 +92,22 @@ class EngineProcessRuntime:
         config: EngineConfig | None = None,
         log_level: str | None = None,
         restart_backoff_s: tuple[float, ...] = RESTART_BACKOFF_S,
+        listen: str | None = None,
+        attach: str | None = None,
     ):
-        """``restart_backoff_s``: the wait before each try to restart a dead child."""
+        """``restart_backoff_s``: the wait before each try to restart a dead child;
+        ``listen``: a Unix socket path the child opens for more fronts; ``attach``: be
+        such a front, on the engine process another front started (``trae serve
+        --api-workers``): connect, never start, stop or restart it."""
         self.config = config or EngineConfig()
-        self.restart_backoff_s = restart_backoff_s
+        self.restart_backoff_s = restart_backoff_s if attach is None else ATTACH_BACKOFF_S
+        self.listen = listen
+        self.attach_path = attach
         self.log_level = log_level or logging.getLevelName(log.getEffectiveLevel())
         self.graphs: dict[str, GraphExecutor] = {}
         self.restarts = 0  # children started after the first
         self._bindings: dict[GraphExecutor, int] = {}
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(os.getpid() * 1_000_000_000 + 1)  # unique across fronts
         self._lock = threading.Lock()  # the channel, the calls and the streams in flight
         self._admin = threading.RLock()  # one change of what the child holds at a time
         self._journal: list[tuple[str, tuple, int | None]] = []  # (op, args, binding)
@@ -108,6 +118,7 @@ class EngineProcessRuntime:
         self._hello = threading.Event()
         self._down: str | None = "the engine process is starting"
         self._closing = False
+        self.before_shutdown: Callable[[], None] | None = None
 
     @classmethod
     def for_specs(
@@ -116,6 +127,8 @@ class EngineProcessRuntime:
         """A child started for the graphs (its host sized for all their models)."""
         runtime = cls(config, **kwargs)
         runtime._spawn()
+        if runtime.attach_path is not None:
+            return runtime  # the owner sized the host
         try:
             runtime._journaled("init", (list(specs), runtime.config))
         except BaseException:
@@ -133,6 +146,10 @@ class EngineProcessRuntime:
         return self._down
 
     def _spawn(self) -> None:
+        """A new child (or, attached, a connection to the owner's), once it says hello."""
+        if self.attach_path is not None:
+            self._connect()
+            return
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         path = [p for p in sys.path if p] + env.get("PYTHONPATH", "").split(os.pathsep)
@@ -140,11 +157,20 @@ class EngineProcessRuntime:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "trae_groups.engine_process.child",
-                 str(theirs.fileno()), self.log_level],
+                 str(theirs.fileno()), self.log_level, self.listen or "-"],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
             )  # fmt: skip
         finally:
             theirs.close()
+        channel = self._open(Connection(ours.detach()), proc)
+        deadline = time.monotonic() + HELLO_TIMEOUT_S
+        while not self._hello.wait(0.1):
+            if channel.closed or time.monotonic() > deadline:
+                _stop(proc, 0)
+                raise EngineLost(f"the engine process did not start ({_exit_text(proc)})")
+        log.info("engine process %d started", proc.pid)
+
+    def _open(self, conn: Connection, proc: subprocess.Popen | None) -> Channel:
         channel: Channel | None = None
 
         def received(messages: list) -> None:
@@ -153,17 +179,32 @@ class EngineProcessRuntime:
         def closed(reason: str) -> None:
             self._lost(channel, reason)
 
-        channel = Channel(Connection(ours.detach()), received, closed, "trae-front")
+        channel = Channel(conn, received, closed, "trae-front")
         with self._lock:
             self._hello.clear()
             self._proc, self._channel = proc, channel
         channel.start()
+        return channel
+
+    def _connect(self) -> None:
+        """Attach to the engine process listening at ``attach_path`` (tried until it is
+        there: the owner may still be starting it)."""
+        from multiprocessing.connection import Client
+
         deadline = time.monotonic() + HELLO_TIMEOUT_S
+        while True:
+            try:
+                conn = Client(self.attach_path, family="AF_UNIX")
+                break
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise EngineLost(f"no engine process at {self.attach_path}: {exc}") from None
+                time.sleep(0.2)
+        channel = self._open(conn, None)
         while not self._hello.wait(0.1):
             if channel.closed or time.monotonic() > deadline:
-                _stop(proc, 0)
-                raise EngineLost(f"the engine process did not start ({_exit_text(proc)})")
-        log.info("engine process %d started", proc.pid)
+                raise EngineLost("the engine process did not answer")
+        log.info("attached to the engine process at %s", self.attach_path)
 
     def _received(self, channel: Channel, messages: list) -> None:
         """Reader thread: replies resolve their calls; each "out" is one hand-off per
@@ -207,9 +248,12 @@ class EngineProcessRuntime:
         if closing or not serving:
             lost = EngineLost(self._down or "the server is shutting down")
         else:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(EXIT_WAIT_S)  # for its exit status: the reason says how it ended
-            self._down = f"the engine process exited ({_exit_text(proc)}); restarting it"
+            if proc is None:  # attached: the owner restarts it
+                self._down = "the engine process went away; waiting for it to restart"
+            else:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(EXIT_WAIT_S)  # for its exit status: the reason says how
+                self._down = f"the engine process exited ({_exit_text(proc)}); restarting it"
             log.error("%s (%s)", self._down, reason)
             lost = EngineLost(self._down)
         for future in calls.values():
@@ -247,8 +291,10 @@ class EngineProcessRuntime:
                 return
             except Exception as exc:
                 with self._lock:
-                    proc = self._proc
+                    proc, channel = self._proc, self._channel
                 _stop(proc, 0)  # a child that started but could not load: SIGTERM it
+                if channel is not None:
+                    channel.close()
                 if self._closing:
                     return
                 error = f"{type(exc).__name__}: {exc}"
@@ -322,7 +368,8 @@ class EngineProcessRuntime:
 
     # -- the Runtime protocol -------------------------------------------------------------
     def start(self) -> None:
-        self._journaled("start", ())
+        if self.attach_path is None:
+            self._journaled("start", ())
         self._down = None
         threading.Thread(target=self._heartbeat, name="trae-engine-heartbeat", daemon=True).start()
 
@@ -350,6 +397,13 @@ class EngineProcessRuntime:
         self._closing = True
         with self._lock:
             proc, channel = self._proc, self._channel
+        if self.before_shutdown is not None:
+            self.before_shutdown()  # other fronts on this engine drain first
+        if self.attach_path is not None:  # not ours to stop: leave it
+            self._down = "this front is stopped"
+            if channel is not None:
+                channel.close()
+            return
         if channel is not None and not channel.closed:
             try:
                 self.call("shutdown", timeout=STOP_TIMEOUT_S)

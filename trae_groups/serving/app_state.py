@@ -74,6 +74,8 @@ class ServerConfig:
     # the engine (models, pool, loop, scheduler) in a child process of its own
     # (trae_groups/engine_process/); `trae serve` turns it on, embedded apps keep one process
     engine_process: bool = False
+    # HTTP front processes sharing that engine process (trae_groups/serving/api_workers.py)
+    api_workers: int = 1
 
     def __post_init__(self):
         limits = [self.max_inflight, *self.graph_limits.values()]
@@ -91,6 +93,8 @@ class ServerConfig:
             raise ValueError("max_connections: must be >= 1 (or None for no cap)")
         if self.memory_profile_interval_s <= 0:
             raise ValueError("memory_profile_interval_s: must be > 0")
+        if self.api_workers < 1 or (self.api_workers > 1 and not self.engine_process):
+            raise ValueError("api_workers: must be >= 1, and more than 1 needs engine_process")
 
     def limit_for(self, graph: str) -> int:
         return self.graph_limits.get(graph, self.max_inflight)
