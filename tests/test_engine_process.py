@@ -257,11 +257,19 @@ def test_admin_versions_load_and_unload_in_the_engine_process(split, root):
 # ---------------------------------------------------------------- death and recovery
 
 
-def test_a_dead_engine_process_answers_503_with_the_reason_then_recovers(root):
-    def runtime(specs, engine):  # a wide window between the death and the restart
-        return EngineProcessRuntime.for_specs(specs, engine, restart_backoff_s=(3.0, 3.0, 3.0))
+class HeldRestart(EngineProcessRuntime):
+    """The real runtime, whose restart of a dead engine process waits for the test to
+    have seen the server while it is down."""
 
-    app = create_app([root / "story.yaml"], config(), runtime=runtime)
+    go = threading.Event()
+
+    def _restart(self) -> None:
+        self.go.wait(300)
+        super()._restart()
+
+
+def test_a_dead_engine_process_answers_503_with_the_reason_then_recovers(root):
+    app = create_app([root / "story.yaml"], config(), runtime=HeldRestart.for_specs)
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=120) as c:
         engine = engine_of(server)
         first = engine.pid
@@ -289,14 +297,16 @@ def test_a_dead_engine_process_answers_503_with_the_reason_then_recovers(root):
         assert error["status"] == 503
         assert "engine process exited (killed by SIGKILL)" in error["error"]["message"]
 
-        health = c.get("/health")  # within the 3 s before the restart begins
+        health = c.get("/health")  # the restart is held until the test lets it go
         assert health.status_code == 503
         assert "killed by SIGKILL" in health.json()["reason"]
         refused = c.post("/v1/graphs/story", json={"inputs": {"text": "hello world"}})
         assert refused.status_code == 503
         assert refused.json()["error"]["type"] == "EngineUnavailable"
         assert c.get("/ready").status_code == 503
+        assert engine.restarts == 0
 
+        HeldRestart.go.set()
         wait_until(lambda: c.get("/health").status_code == 200, "the engine restarted")
         assert engine.pid != first and engine.restarts == 1
         assert not psutil.pid_exists(first) or psutil.Process(first).status() == "zombie"

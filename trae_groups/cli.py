@@ -509,6 +509,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray is not None:
         from trae_groups.cluster.app import run
 
+        config = dataclasses.replace(config, engine_process=False, api_workers=1)  # Serve's own
         return run(args.graphs, address=args.ray or None, host=args.host, port=args.port,
                    engine=config.engine, server=config)  # fmt: skip
     return serve(args.graphs, config)

@@ -89,6 +89,7 @@ class EngineServer:
         self.streams: dict[int, Live] = {}  # sid -> the task pumping it
         self.encodes: dict[int, tuple[asyncio.Task, Channel]] = {}  # cid -> its task
         self.outbox: dict[Channel, list[tuple]] = {}
+        self.sent = [0, 0]  # chunks, "out" messages: how well the batching does
         self.admin = ThreadPoolExecutor(1, thread_name_prefix="trae-engine-admin")
         self.reads = ThreadPoolExecutor(1, thread_name_prefix="trae-engine-reads")
         self.channel = self._front(conn, "trae-engine")
@@ -117,6 +118,7 @@ class EngineServer:
         self.channel.send(("hello", os.getpid()))
         threading.Thread(target=self._watch_parent, name="trae-engine-parent", daemon=True).start()
         await self.done.wait()
+        log.info("engine process: %d chunks sent in %d messages", *self.sent)
         for task in [*(s.task for s in self.streams.values())] + [
             t for t, _ in self.encodes.values()
         ]:
@@ -224,6 +226,8 @@ class EngineServer:
         batches, self.outbox = self.outbox, {}
         for front, batch in batches.items():
             front.send(("out", batch))
+            self.sent[0] += len(batch)
+            self.sent[1] += 1
 
     def _generate(self, front: Channel, sid: int, binding: int, key: tuple, request: Any) -> None:
         try:

@@ -287,7 +287,10 @@ class EngineProcessRuntime:
                     raise EngineLost("the server is shutting down")
                 self.restarts += 1
                 self._down = None
-                log.info("engine process restarted (pid %d)", self.pid)
+                if self.attach_path is None:
+                    log.info("engine process restarted (pid %d)", self.pid)
+                else:
+                    log.info("attached again to the restarted engine process")
                 return
             except Exception as exc:
                 with self._lock:
