@@ -9,15 +9,14 @@ socket path more fronts attach to, ``trae serve --api-workers``). Messages
 front → engine                               engine → front
 ("call", cid, op, args)  admin and reads     ("hello", pid)
 ("gen", sid, binding, key, GenerateRequest)  ("reply", cid, ok, value or exception)
-("abort", sid)  end it, its last chunk follows ("out", [(sid, chunk fields, error), ...])
-("close", sid)  the front stopped reading
-("enc", cid, binding, key, EncodeRequest)
-("cancel", cid)
+("abort", sid)  end it, its last chunk follows ("out", [(sid, kind, payload), ...])
+("close", sid)  the front stopped waiting           kind: CHUNK (GenerationChunk fields),
+("enc", sid, binding, key, EncodeRequest)                 RESULT (an encoder's), ERROR
 
 A generation runs as the model's own client's ``generate`` (residency, adapters,
 prefix caching and long-prompt tokenizing behave as in one process); every chunk
-that comes while the event loop handles one engine step's outputs goes out in one
-"out" message. Admin calls run in order on one thread, reads on another, so a model
+(and encoder result) that comes while the event loop handles one engine step's
+outputs goes out in one "out" message. Admin calls run in order on one thread, reads on another, so a model
 load never stalls a stream. When the front goes away (its end closes: exit, crash,
 SIGKILL) this process stops its engine and exits; SIGINT is ignored (a Ctrl-C
 reaches the whole process group, and the front drains first, then says stop).
@@ -41,7 +40,7 @@ from typing import Any
 from trae_groups.engine.errors import RequestError
 from trae_groups.engine.host import ModelHost
 from trae_groups.engine.protocol import ModelClient
-from trae_groups.engine_process.wire import Channel, chunk_fields, pack_error
+from trae_groups.engine_process.wire import CHUNK, ERROR, RESULT, Channel, chunk_fields, pack_error
 from trae_groups.graphs.routing import RouteError
 from trae_groups.graphs.runtime import engine_name, host_for, load_clients, model_load, settle_heap
 from trae_groups.graphs.spec import GraphSpec
@@ -87,7 +86,7 @@ class EngineServer:
         self.bindings: dict[int, Binding] = {}
         self.binders: dict[int, Channel] = {}  # binding -> the front that bound it
         self.streams: dict[int, Live] = {}  # sid -> the task pumping it
-        self.encodes: dict[int, tuple[asyncio.Task, Channel]] = {}  # cid -> its task
+        self.encodes: dict[int, tuple[asyncio.Task, Channel]] = {}  # sid -> its task
         self.outbox: dict[Channel, list[tuple]] = {}
         self.sent = [0, 0]  # chunks, "out" messages: how well the batching does
         self.admin = ThreadPoolExecutor(1, thread_name_prefix="trae-engine-admin")
@@ -185,14 +184,13 @@ class EngineServer:
                 live = self.streams.pop(message[1], None)
                 if live is not None:
                     live.task.cancel()  # closing the stream aborts the engine work
-            elif kind == "enc":
-                cid = message[1]
-                task = self.loop.create_task(self._encode(front, *message[1:]))
-                self.encodes[cid] = (task, front)
-            elif kind == "cancel":
                 running = self.encodes.pop(message[1], None)
                 if running is not None:
-                    running[0].cancel()
+                    running[0].cancel()  # the batch skips a cancelled item
+            elif kind == "enc":
+                sid = message[1]
+                task = self.loop.create_task(self._encode(front, *message[1:]))
+                self.encodes[sid] = (task, front)
             elif kind == "call":
                 self.loop.create_task(self._call(front, *message[1:]))
 
@@ -211,16 +209,16 @@ class EngineServer:
             del self.binders[binding]
             self.loop.run_in_executor(self.admin, self.op_release, binding)
 
-    def _out(
-        self, front: Channel, sid: int, chunk: Any, error: BaseException | None = None
-    ) -> None:
-        """Queue one stream's chunk (or error); everything queued before the loop gets
-        back to its scheduled callbacks leaves as one message per front."""
-        fields = chunk_fields(chunk) if chunk is not None else None
+    def _out(self, front: Channel, sid: int, kind: int, payload: Any) -> None:
+        """Queue one stream's chunk, result or error; everything queued before the loop
+        gets back to its scheduled callbacks leaves as one message per front."""
+        if kind == CHUNK:
+            payload = chunk_fields(payload)
+        elif kind == ERROR:
+            payload = pack_error(payload)
         if not self.outbox:
             self.loop.call_soon(self._flush)
-        entry = (sid, fields, pack_error(error) if error is not None else None)
-        self.outbox.setdefault(front, []).append(entry)
+        self.outbox.setdefault(front, []).append((sid, kind, payload))
 
     def _flush(self) -> None:
         batches, self.outbox = self.outbox, {}
@@ -234,7 +232,7 @@ class EngineServer:
             client = self._client(binding, key)
             stream = client.generate(request)
         except Exception as exc:  # RequestError, EngineStopped, ...: before any work
-            self._out(front, sid, None, exc)
+            self._out(front, sid, ERROR, exc)
             return
         task = self.loop.create_task(self._pump(front, sid, stream))
         self.streams[sid] = Live(task, client, request.request_id, front)
@@ -243,26 +241,26 @@ class EngineServer:
         try:
             async with aclosing(stream):
                 async for chunk in stream:
-                    self._out(front, sid, chunk)
+                    self._out(front, sid, CHUNK, chunk)
         except asyncio.CancelledError:
             pass  # aborted by the front: aclosing closed the stream, which aborted the work
         except Exception as exc:
-            self._out(front, sid, None, exc)
+            self._out(front, sid, ERROR, exc)
         finally:
             self.streams.pop(sid, None)
 
     async def _encode(
-        self, front: Channel, cid: int, binding: int, key: tuple, request: Any
+        self, front: Channel, sid: int, binding: int, key: tuple, request: Any
     ) -> None:
         try:
             result = await self._client(binding, key).encode(request)
-            front.send(("reply", cid, True, result))
+            self._out(front, sid, RESULT, result)
         except asyncio.CancelledError:
             pass
         except Exception as exc:
-            front.send(("reply", cid, False, pack_error(exc)))
+            self._out(front, sid, ERROR, exc)
         finally:
-            self.encodes.pop(cid, None)
+            self.encodes.pop(sid, None)
 
     async def _call(self, front: Channel, cid: int, op: str, args: tuple) -> None:
         method = getattr(self, f"op_{op}", None)

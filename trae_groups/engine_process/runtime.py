@@ -39,7 +39,7 @@ from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.errors import EngineStopped
 from trae_groups.engine.protocol import EncodeRequest, EngineStats, GenerateRequest, GenerationChunk
 from trae_groups.engine_process.client import EngineClient
-from trae_groups.engine_process.wire import Channel
+from trae_groups.engine_process.wire import CHUNK, Channel
 from trae_groups.graphs.compile import CompiledGraph, compile_graph, resolve_functions
 from trae_groups.graphs.executor import GraphExecutor
 from trae_groups.graphs.routing import RouteError, check_split
@@ -228,10 +228,10 @@ class EngineProcessRuntime:
     def _fan_out(self, entries: list) -> None:
         items = []
         with self._lock:
-            for sid, fields, error in entries:
+            for sid, kind, payload in entries:
                 stream = self._streams.get(sid)
                 if stream is not None:  # else closed by the front already
-                    items.append((stream, error or GenerationChunk(*fields)))
+                    items.append((stream, GenerationChunk(*payload) if kind == CHUNK else payload))
         _hand_off(items)
 
     def _lost(self, channel: Channel, reason: str) -> None:
@@ -336,18 +336,24 @@ class EngineProcessRuntime:
             return value
 
     async def encode(self, binding: int, key: tuple, request: EncodeRequest) -> dict[str, Any]:
-        cid, future = self._register(lambda cid: ("enc", cid, binding, key, request))
+        """One encoder item: its result comes back on a stream of one, with the step's
+        other outputs; leaving early cancels it (the batch skips it)."""
+        stream = self._open_stream("enc", binding, key, request)
+        finished = False
         try:
-            return await asyncio.wrap_future(future)
-        except asyncio.CancelledError:
-            with self._lock:
-                self._calls.pop(cid, None)
-                if self._channel is not None:
-                    self._channel.send(("cancel", cid))
-            raise
+            item = await stream.queue.get()
+            finished = True
+        finally:
+            self.close_stream(stream.sid, cancel=not finished)
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def open_stream(self, binding: int, key: tuple, request: GenerateRequest) -> Stream:
         """From the event loop: the generation sent, its chunks to come on the stream."""
+        return self._open_stream("gen", binding, key, request)
+
+    def _open_stream(self, kind: str, binding: int, key: tuple, request: Any) -> Stream:
         stream = Stream(0, asyncio.get_running_loop(), asyncio.Queue(), request.request_id)
         with self._lock:
             channel = self._channel
@@ -355,7 +361,7 @@ class EngineProcessRuntime:
                 raise EngineLost(self._down or "the engine process is not running")
             stream.sid = next(self._ids)
             self._streams[stream.sid] = stream
-            channel.send(("gen", stream.sid, binding, key, request))
+            channel.send((kind, stream.sid, binding, key, request))
         return stream
 
     def abort_stream(self, sid: int) -> None:

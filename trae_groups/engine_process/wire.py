@@ -24,6 +24,9 @@ from typing import Any
 log = logging.getLogger("trae_groups.engine_process")
 
 _STOP = object()
+#: What an "out" entry (sid, kind, payload) carries: a generation's chunk (its fields),
+#: an encoder's result, or the exception that ended the call.
+CHUNK, RESULT, ERROR = 0, 1, 2
 
 
 class Channel:
