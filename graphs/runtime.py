@@ -54,6 +54,10 @@ class Runtime(Protocol):
 
     def replica_stats(self) -> dict[str, EngineStats]: ...
 
+    def unavailable(self) -> str | None:
+        """Why the models cannot take work now (an engine process restarting), or None."""
+        ...
+
 
 def model_load(spec: GraphSpec, name: str, version: str, folder: Path | None = None) -> ModelLoad:
     """A graph model's version as the engine loads it (``folder``: another than the
@@ -79,6 +83,38 @@ def model_load(spec: GraphSpec, name: str, version: str, folder: Path | None = N
         max_lora_rank=model.max_lora_rank,
         adapters=adapters,
     )
+
+
+def versioned_models(
+    spec: GraphSpec, clients: dict[tuple[str, str], ModelClient]
+) -> dict[str, VersionedModel]:
+    """A graph's models, each its versions' clients and the route between them; each
+    version shows its folder (an adapter version its adapter's)."""
+    models = {
+        name: VersionedModel(
+            name, {v: clients[(name, v)] for v in model.sources}, model.weights, model.sticky
+        )
+        for name, model in spec.models.items()
+    }
+    for name, versioned in models.items():
+        adapters = spec.models[name].version_adapters
+        versioned.sources = {
+            v: str(spec.adapter_path(adapters[v]))
+            if v in adapters
+            else str(spec.model_path(name, v))
+            for v in versioned.clients
+        }
+    return models
+
+
+def find_versioned(graphs: dict[str, GraphExecutor], graph: str, model: str) -> VersionedModel:
+    """A bound graph's model (KeyError naming what exists, for the admin routes)."""
+    if graph not in graphs:
+        raise KeyError(f"no graph named {graph!r}")
+    executor = graphs[graph]
+    if model not in executor.models:
+        raise KeyError(f"graph {graph!r} has no model {model!r}; it has {sorted(executor.models)}")
+    return executor.models[model]
 
 
 def engine_name(model: str, version: str) -> str:
@@ -185,20 +221,7 @@ class ModelRuntime:
         graph = spec if isinstance(spec, CompiledGraph) else compile_graph(spec)
         functions = resolve_functions(graph.spec)
         clients = self.load_models(graph.spec)
-        models = {
-            name: VersionedModel(
-                name, {v: clients[(name, v)] for v in model.sources}, model.weights, model.sticky
-            )
-            for name, model in graph.spec.models.items()
-        }
-        for name, versioned in models.items():
-            adapters = graph.spec.models[name].version_adapters  # those show their own folder
-            versioned.sources = {
-                v: str(graph.spec.adapter_path(adapters[v]))
-                if v in adapters
-                else str(graph.spec.model_path(name, v))
-                for v in versioned.clients
-            }
+        models = versioned_models(graph.spec, clients)
         executor = GraphExecutor(graph, models, functions)
         self.graphs[graph.spec.name] = executor
         return executor
@@ -219,14 +242,7 @@ class ModelRuntime:
 
     # -- versions ----------------------------------------------------------------------
     def versioned(self, graph: str, model: str) -> VersionedModel:
-        if graph not in self.graphs:
-            raise KeyError(f"no graph named {graph!r}")
-        executor = self.graphs[graph]
-        if model not in executor.models:
-            raise KeyError(
-                f"graph {graph!r} has no model {model!r}; it has {sorted(executor.models)}"
-            )
-        return executor.models[model]
+        return find_versioned(self.graphs, graph, model)
 
     def add_version(
         self, graph: str, model: str, version: str, path: str | Path, adapter: bool = False
@@ -284,6 +300,9 @@ class ModelRuntime:
     def replica_stats(self) -> dict[str, EngineStats]:
         """Stats by engine replica: one process is one replica, "local"."""
         return {"local": self.stats()}
+
+    def unavailable(self) -> str | None:
+        return None  # the engine is this process: when it is gone, so is the server
 
 
 def settle_heap(refreeze: bool = False) -> int:

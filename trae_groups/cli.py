@@ -534,6 +534,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             openai_timeout_s=args.openai_timeout,
             memory_profile=args.memory_profile,
             memory_profile_interval_s=args.memory_interval,
+            engine_process=args.engine_process,
+            api_workers=args.api_workers,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -548,6 +550,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.ray is not None:
         from trae_groups.cluster.app import run
 
+        config = dataclasses.replace(config, engine_process=False, api_workers=1)  # Serve's own
         return run(args.graphs, address=args.ray or None, host=args.host, port=args.port,
                    engine=config.engine, server=config)  # fmt: skip
     return serve(args.graphs, config)
@@ -658,6 +661,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--memory-interval", type=float, default=1.0, help="seconds between memory samples"
     )
+    serve.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine (models, pool, loop, scheduler) in a child process of its own, "
+        "restarted if it dies; --no-engine-process keeps it in the HTTP process",
+    )
+    serve.add_argument(
+        "--api-workers", type=int, default=1, metavar="N",
+        help="HTTP front processes sharing the one engine process (default 1); admin "
+        "changes need 1",
+    )  # fmt: skip
     serve.add_argument(
         "--ray",
         nargs="?",

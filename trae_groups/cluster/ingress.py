@@ -88,6 +88,9 @@ class RemoteRuntime:
     def release(self, executor: GraphExecutor) -> None:
         pass  # the replicas keep their models until the application is redeployed
 
+    def unavailable(self) -> str | None:
+        return None  # a lost replica fails its own calls (ReplicaLost); Serve replaces it
+
     # -- versions: routing lives here, loading on the replicas ----------------------
     def set_route(self, graph: str, model: str, weights: dict[str, float]) -> dict[str, float]:
         versioned = self.graphs[graph].models[model]

@@ -71,6 +71,11 @@ class ServerConfig:
     # sample every memory_profile_interval_s, from before the models load to shutdown
     memory_profile: str | None = None
     memory_profile_interval_s: float = 1.0
+    # the engine (models, pool, loop, scheduler) in a child process of its own
+    # (trae_groups/engine_process/); `trae serve` turns it on, embedded apps keep one process
+    engine_process: bool = False
+    # HTTP front processes sharing that engine process (trae_groups/serving/api_workers.py)
+    api_workers: int = 1
 
     def __post_init__(self):
         limits = [self.max_inflight, *self.graph_limits.values()]
@@ -88,6 +93,8 @@ class ServerConfig:
             raise ValueError("max_connections: must be >= 1 (or None for no cap)")
         if self.memory_profile_interval_s <= 0:
             raise ValueError("memory_profile_interval_s: must be > 0")
+        if self.api_workers < 1 or (self.api_workers > 1 and not self.engine_process):
+            raise ValueError("api_workers: must be >= 1, and more than 1 needs engine_process")
 
     def limit_for(self, graph: str) -> int:
         return self.graph_limits.get(graph, self.max_inflight)
@@ -198,7 +205,7 @@ class AppState:
         self.metrics.watch_engine(
             lambda: self.runtime.replica_stats() if self.runtime is not None else {},
             lambda: {g.name: g.nodes for g in self.graphs.values()},
-            lambda: self.ready and not self.draining,
+            lambda: self.ready and not self.draining and self.engine_down() is None,
         )
         self.profiler = None
         if config.memory_profile:
@@ -214,11 +221,9 @@ class AppState:
     def load(self) -> None:
         """Load every model and start the engine (blocking: run it in a thread)."""
         try:
-            from trae_groups.graphs.runtime import ModelRuntime
-
             engine_config = self.config.engine or EngineConfig()
             specs = [g.spec for g in self.graphs.values()]
-            runtime = (self._make_runtime or ModelRuntime.for_specs)(specs, engine_config)
+            runtime = (self._make_runtime or self._default_runtime())(specs, engine_config)
             self.runtime = runtime
             for served in self.graphs.values():
                 served.bind(runtime.bind(served.graph))
@@ -240,6 +245,23 @@ class AppState:
                 stats.pool.page_bytes,
             )
         self.ready = True
+
+    def _default_runtime(self) -> Callable[[list[GraphSpec], EngineConfig], Runtime]:
+        if self.config.engine_process:
+            from trae_groups.engine_process import EngineProcessRuntime
+
+            return EngineProcessRuntime.for_specs
+        from trae_groups.graphs.runtime import ModelRuntime
+
+        return ModelRuntime.for_specs
+
+    def engine_down(self) -> str | None:
+        """Why the engine cannot take work although the models loaded (its process died
+        and is being restarted), or None."""
+        if self.runtime is None or not self.ready:
+            return None
+        unavailable = getattr(self.runtime, "unavailable", None)  # a runtime of before
+        return unavailable() if unavailable is not None else None
 
     def close(self) -> None:
         if self.profiler is not None:
@@ -290,6 +312,11 @@ class AppState:
                 self.metrics.observe_rejected(graph, "not_ready")
             message = f"models failed to load: {self.load_error}" if self.load_error else None
             raise unavailable(message or "models are loading", retry, type="NotReady")
+        down = self.engine_down()
+        if down is not None:
+            if graph:
+                self.metrics.observe_rejected(graph, "engine_down")
+            raise unavailable(down, retry, type="EngineUnavailable")
 
     def entered(self, served: ServedGraph) -> None:
         """One more request in flight (admitted by its RunScope, trae_groups/serving/run_scope.py)."""

@@ -57,7 +57,13 @@ log = logging.getLogger("trae_groups.server")  # unchanged by the move to servin
 
 
 async def health(request: Request) -> Response:
+    """200 while the process serves; 503 with the reason while its engine process is
+    down (it is being restarted)."""
     state: AppState = request.app.state.trae
+    down = state.engine_down()
+    if down is not None:
+        body = {"status": "unavailable", "reason": down, "draining": state.draining}
+        return JSONResponse(body, status_code=503)
     return JSONResponse({"status": "ok", "draining": state.draining})
 
 
@@ -97,6 +103,7 @@ async def reload_graph(request: Request) -> Response:
     says ``?discard_live_routes=true``."""
     state: AppState = request.app.state.trae
     check_admin(request, state)
+    _one_front(state, request)
     served = state.graph(request.path_params["name"])
     if served.path is None:
         raise HTTPError(409, f"graph '{served.name}' was not loaded from a file")
@@ -136,11 +143,23 @@ def _live_routes(served: Any, spec: GraphSpec) -> list[str]:
     return changed
 
 
+def _one_front(state: AppState, request: Request) -> None:
+    """A change made through one of several front processes would hold in that one only."""
+    if request.method != "GET" and state.config.api_workers > 1:
+        raise HTTPError(
+            409,
+            "admin changes need one HTTP front process: this server runs "
+            f"{state.config.api_workers} (--api-workers), each with its own routes",
+            type="SeveralFronts",
+        )
+
+
 def _admin_model(request: Request):
     """An admin request's state, graph, model name and versioned model: the admin token and
     readiness checked first, then 404 for a model the graph does not have."""
     state: AppState = request.app.state.trae
     check_admin(request, state)
+    _one_front(state, request)
     served = state.graph(request.path_params["name"])
     state.require_ready()
     model = request.path_params["model"]
@@ -349,6 +368,7 @@ class TraeServer(uvicorn.Server):
         self.state = state
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
+        self.on_exit: Callable[[], None] | None = None  # the first signal: tell the workers
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -368,6 +388,8 @@ class TraeServer(uvicorn.Server):
             return
         self._stopping = True
         self.state.draining = True
+        if self.on_exit is not None:
+            self.on_exit()
         log.info("draining: %d request(s) in flight", self.state.inflight)
         if self._loop is None:
             self.should_exit = True
@@ -428,7 +450,13 @@ def serve(graphs: Sequence[GraphSpec | str | Path], config: ServerConfig | None 
     """Serve until SIGTERM/SIGINT; the exit status: 1 when the port cannot be bound
     (checked before any model loads) or the models failed to load."""
     config = config or ServerConfig()
-    app = create_app(graphs, config)  # validates the graphs; models load once serving
+    workers = None
+    if config.api_workers > 1:  # more fronts on one engine process (serving/api_workers.py)
+        from trae_groups.serving.api_workers import Workers
+
+        workers = Workers(config.api_workers, config.shutdown_grace_s)
+    # validates the graphs; models load once serving
+    app = create_app(graphs, config, runtime=workers.runtime if workers else None)
     try:
         sock = listen_socket(config.host, config.port)
     except OSError as exc:
@@ -437,7 +465,15 @@ def serve(graphs: Sequence[GraphSpec | str | Path], config: ServerConfig | None 
     state: AppState = app.state.trae
     server = TraeServer(_uvicorn_config(app, config), state)
     state.on_load_failed = server.stop
-    server.run(sockets=[sock])
+    if workers is not None:
+        sock.listen(2048)  # before the workers share it
+        workers.start(sock, graphs, config)
+        server.on_exit = workers.signal
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if workers is not None:
+            workers.stop()  # no-op once the engine's shutdown did it
     return 1 if state.load_error else 0
 
 
