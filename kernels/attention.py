@@ -218,6 +218,38 @@ def _prefill_padded(query, k_cache, v_cache, batch, plan, scale, gqa, out) -> No
     out[first:] = o.transpose(1, 2).flatten(0, 1).index_select(0, keep)
 
 
+def _flash_lse(q, k, v, causal: bool, scale: float):
+    """CPU flash attention with its log-sum-exp: q [heads, n, dim], k/v [heads, m, dim]."""
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q[None], k[None], v[None], 0.0, causal, scale=scale
+    )
+    return o[0], lse[0]
+
+
+def _prefix_then_chunk(q, k_prefix, v_prefix, k_new, v_new, scale: float):
+    """A prompt chunk over its cached prefix without a mask: every query sees the whole
+    prefix (one unmasked flash call, the query heads of a KV head stacked along the query
+    axis, so GQA needs no copy of the prefix) and its own chunk causally (a second call);
+    the two are merged by their log-sum-exps. An explicit [n_q, n_k] mask would send SDPA
+    down a slower path that grows with the context. q [n_q, heads, dim]; k/v [n, kv, dim]."""
+    n_q, heads, dim = q.shape
+    kv_heads = k_prefix.shape[1]
+    group = heads // kv_heads
+    qg = q.view(n_q, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * n_q, dim)
+    o1, lse1 = _flash_lse(qg, k_prefix.transpose(0, 1), v_prefix.transpose(0, 1), False, scale)
+    o1 = o1.view(kv_heads, group, n_q, dim).reshape(heads, n_q, dim)
+    lse1 = lse1.view(kv_heads, group, n_q).reshape(heads, n_q)
+    k2, v2 = k_new.transpose(0, 1), v_new.transpose(0, 1)
+    if group > 1:
+        k2, v2 = k2.repeat_interleave(group, 0), v2.repeat_interleave(group, 0)
+    o2, lse2 = _flash_lse(q.transpose(0, 1), k2, v2, True, scale)
+    top = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - top).exp_(), (lse2 - top).exp_()
+    total = w1 + w2
+    merged = o1.float() * (w1 / total)[..., None] + o2.float() * (w2 / total)[..., None]
+    return merged.to(q.dtype).transpose(0, 1)  # [n_q, heads, dim]
+
+
 def _prefill_one_by_one(query, key, value, k_cache, v_cache, batch, scale, window, gqa, out):
     starts = batch.query_starts
     for s in range(batch.num_decodes, batch.num_seqs):
@@ -225,6 +257,16 @@ def _prefill_one_by_one(query, key, value, k_cache, v_cache, batch, scale, windo
         n_q, n_k = hi - lo, batch.context_lens[s]
         if n_q == n_k:  # fresh prefill: the new K/V are the whole context
             k, v = key[lo:hi], value[lo:hi]
+        elif window is None and query.device.type == "cpu" and not isinstance(k_cache, QuantKV):
+            n_prefix = n_k - n_q  # cached before this step; the chunk's own K/V are key/value
+            n_pages = -(-n_prefix // batch.tokens_per_page)
+            pages = batch.block_tables[s, :n_pages]
+            k_prefix = gather_kv(k_cache, pages)[:n_prefix]
+            v_prefix = gather_kv(v_cache, pages)[:n_prefix]
+            out[lo:hi] = _prefix_then_chunk(
+                query[lo:hi], k_prefix, v_prefix, key[lo:hi], value[lo:hi], scale
+            )
+            continue
         else:
             n_pages = -(-n_k // batch.tokens_per_page)
             pages = batch.block_tables[s, :n_pages]
