@@ -203,14 +203,3 @@ def test_the_cli_flag_sets_the_target_and_zero_turns_it_off():
         config = cli._engine_config(parser.parse_args(argv))
         assert config.step_time_target_ms == expected
         assert config.step_target_s == (None if expected is None else expected / 1000)
-
-
-def test_trae_serve_lets_openmp_threads_sleep_unless_told_otherwise(monkeypatch):
-    from trae_groups import cli
-
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    cli.serving_env()
-    assert __import__("os").environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    cli.serving_env()
-    assert __import__("os").environ["OMP_WAIT_POLICY"] == "ACTIVE"

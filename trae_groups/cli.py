@@ -512,21 +512,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if report["ready"] else 1
 
 
-# Serving shares the cores between the engine's OpenMP threads and the HTTP front: threads
-# that sleep at once at a barrier, instead of spinning for the next matmul, leave the cores to
-# the front (measured with bench/serve_vs_vllm.py, SmolLM2 bf16 on 2 cores: inter-token
-# latency at one stream 86-100 -> 61 ms, 16 streams 88-98 -> 102-109 tok/s). Set before
-# torch loads; the engine process inherits it; a value in the environment wins.
-SERVING_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-
-
-def serving_env() -> None:
-    for name, value in SERVING_ENV.items():
-        os.environ.setdefault(name, value)
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    serving_env()
     from trae_groups.serving.server import ServerConfig, serve
 
     try:  # a flag's value out of range is a usage error, not a traceback
