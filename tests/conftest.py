@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import sys
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -235,3 +236,21 @@ def _worker_interpreted() -> bool:
     from trae_groups.kernels import triton_attention
 
     return triton_attention.INTERPRETED and triton_attention.available("cpu")
+
+
+def wait_until(condition, what: str, seconds: float = 30.0, interval: float = 0.01) -> None:
+    """Poll a condition a bounded number of times (``seconds / interval``), else fail."""
+    for _ in range(max(1, int(seconds / interval))):
+        if condition():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+def parse_sse(text: str) -> list[tuple[str, dict]]:
+    """A whole SSE body as (event, data) pairs."""
+    events = []
+    for block in text.strip().split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        events.append((fields.get("event", "message"), json.loads(fields["data"])))
+    return events

@@ -11,7 +11,6 @@ asserts a duration.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -25,7 +24,8 @@ import httpx
 import psutil
 import pytest
 
-from conftest import build_encoder, build_llm
+from conftest import build_encoder, build_llm, parse_sse
+from conftest import wait_until as _wait_until
 from trae_groups.engine import EngineConfig, SamplingParams
 from trae_groups.engine.protocol import EncodeRequest, GenerateRequest
 from trae_groups.engine_process import EngineProcessRuntime
@@ -90,21 +90,9 @@ def local(root):
         yield running
 
 
-def wait_until(condition, what: str, tries: int = 6000) -> None:
-    """Poll a condition a bounded number of times (20 ms apart)."""
-    for _ in range(tries):
-        if condition():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"gave up waiting for {what}")
-
-
-def parse_sse(text: str) -> list[tuple[str, dict]]:
-    events = []
-    for block in text.strip().split("\n\n"):
-        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
-        events.append((fields.get("event", "message"), json.loads(fields["data"])))
-    return events
+def wait_until(condition, what: str) -> None:
+    """Poll up to 120 s, 20 ms apart: an engine process restarts within that."""
+    _wait_until(condition, what, seconds=120.0, interval=0.02)
 
 
 def engine_of(server: ServerThread) -> EngineProcessRuntime:

@@ -3,14 +3,13 @@ uvicorn with real tiny models."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from conftest import build_llm
+from conftest import build_llm, wait_until
 from trae_groups.engine import EngineConfig
 from trae_groups.serving.openai_api import chat_parts
 from trae_groups.serving.server import ServerConfig, ServerThread, create_app
@@ -73,14 +72,6 @@ def server(tmp_path_factory):
 @pytest.fixture
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-def wait_until(condition, what: str, tries: int = 3000) -> None:
-    for _ in range(tries):
-        if condition():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"gave up waiting for {what}")
 
 
 # ---------------------------------------------------------------- the model rule

@@ -15,13 +15,12 @@ import random
 import socket
 import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from conftest import build_encoder, build_llm
+from conftest import build_encoder, build_llm, parse_sse, wait_until
 from trae_groups.engine import EngineConfig
 from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
@@ -158,23 +157,6 @@ def server(root):
 def client(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
-
-
-def wait_until(condition, what: str, tries: int = 3000) -> None:
-    """Poll a condition a bounded number of times (10 ms apart)."""
-    for _ in range(tries):
-        if condition():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"gave up waiting for {what}")
-
-
-def parse_sse(text: str) -> list[tuple[str, dict]]:
-    events = []
-    for block in text.strip().split("\n\n"):
-        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
-        events.append((fields.get("event", "message"), json.loads(fields["data"])))
-    return events
 
 
 def error_of(response: httpx.Response) -> dict:
