@@ -30,7 +30,6 @@ import os
 import signal
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -39,6 +38,7 @@ from typing import Any
 
 from trae_groups.engine.errors import RequestError
 from trae_groups.engine.host import ModelHost
+from trae_groups.engine.passing_threads import PassingThreads
 from trae_groups.engine.protocol import ModelClient
 from trae_groups.engine_process.wire import CHUNK, ERROR, RESULT, Channel, chunk_fields, pack_error
 from trae_groups.graphs.routing import RouteError
@@ -89,8 +89,10 @@ class EngineServer:
         self.encodes: dict[int, tuple[asyncio.Task, Channel]] = {}  # sid -> its task
         self.outbox: dict[Channel, list[tuple]] = {}
         self.sent = [0, 0]  # chunks, "out" messages: how well the batching does
-        self.admin = ThreadPoolExecutor(1, thread_name_prefix="trae-engine-admin")
-        self.reads = ThreadPoolExecutor(1, thread_name_prefix="trae-engine-reads")
+        # loads and reads off the engine thread: on threads that end, so that no second
+        # OpenMP team stays to throttle the engine's (engine/passing_threads.py)
+        self.admin = PassingThreads("trae-engine-admin")
+        self.reads = PassingThreads("trae-engine-reads")
         self.channel = self._front(conn, "trae-engine")
         self.listen = listen
         self.parent = os.getppid()

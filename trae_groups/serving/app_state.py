@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from trae_groups.engine.config import EngineConfig
+from trae_groups.engine.passing_threads import PassingThreads
 from trae_groups.graphs.compile import CompiledGraph, compile_graph
 from trae_groups.graphs.executor import GraphExecutor
 from trae_groups.graphs.spec import GraphSpec, PythonNode
@@ -186,6 +187,8 @@ class AppState:
         self.config = config
         self._make_runtime = runtime
         self.metrics = Metrics()
+        # loads, unloads and reloads: on threads that end (engine/passing_threads.py)
+        self.model_work = PassingThreads("trae-models")
         self.graphs: dict[str, ServedGraph] = {}
         for spec, path in graphs:
             if spec.name in self.graphs:
@@ -291,7 +294,7 @@ class AppState:
                 log.exception("releasing the models of a replaced graph failed")
             self.settle_heap()
 
-        asyncio.get_running_loop().run_in_executor(None, release)
+        asyncio.get_running_loop().run_in_executor(self.model_work, release)
 
     # -- admission -------------------------------------------------------------------
     def graph(self, name: str) -> ServedGraph:

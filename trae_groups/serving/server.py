@@ -35,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from trae_groups.engine.passing_threads import in_passing_thread
 from trae_groups.graphs.loader import load_graph
 from trae_groups.graphs.routing import RouteError, check_split, parse_split, with_weight
 from trae_groups.graphs.spec import GraphSpec
@@ -109,7 +110,7 @@ async def reload_graph(request: Request) -> Response:
         raise HTTPError(409, f"graph '{served.name}' was not loaded from a file")
     state.require_ready()
     async with served.reload_lock:
-        spec = await anyio.to_thread.run_sync(load_graph, served.path)
+        spec = await anyio.to_thread.run_sync(load_graph, served.path)  # parsing: no torch
         if spec.name != served.name:
             message = f"the file now declares graph '{spec.name}', not '{served.name}'"
             raise HTTPError(422, message, field="name", type="GraphValidationError")
@@ -121,9 +122,9 @@ async def reload_graph(request: Request) -> Response:
                 "write the split into the file, or reload with ?discard_live_routes=true",
                 type="LiveRoutes",
             )
-        executor = await anyio.to_thread.run_sync(state.runtime.bind, spec)
+        executor = await in_passing_thread(state.model_work, state.runtime.bind, spec)
         served.bind(executor, release=state.retire)
-        await anyio.to_thread.run_sync(state.settle_heap)
+        await in_passing_thread(state.model_work, state.settle_heap)
     log.info("reloaded graph '%s' from %s", served.name, served.path)
     return JSONResponse({"graph": served.name, "reloaded": True, **graph_api.summary(served)})
 
@@ -212,10 +213,10 @@ async def model_versions(request: Request) -> Response:
     async with served.reload_lock:
         if request.method == "DELETE":
             version = request.path_params["version"]
-            await anyio.to_thread.run_sync(
-                state.runtime.remove_version, served.name, model, version
+            await in_passing_thread(
+                state.model_work, state.runtime.remove_version, served.name, model, version
             )
-            await anyio.to_thread.run_sync(state.settle_heap)
+            await in_passing_thread(state.model_work, state.settle_heap)
             log.info("graph '%s' model '%s': unloaded version %s", served.name, model, version)
         else:
             body = await read_json(request, state.config.max_body_bytes)
@@ -230,10 +231,16 @@ async def model_versions(request: Request) -> Response:
             if not isinstance(path, str) or not path or ("path" in body and adapter):
                 raise bad_request(usage, field)
             _check_upload(version, path, field)
-            await anyio.to_thread.run_sync(
-                state.runtime.add_version, served.name, model, version, path, adapter
+            await in_passing_thread(
+                state.model_work,
+                state.runtime.add_version,
+                served.name,
+                model,
+                version,
+                path,
+                adapter,
             )
-            await anyio.to_thread.run_sync(state.settle_heap)
+            await in_passing_thread(state.model_work, state.settle_heap)
             log.info(
                 "graph '%s' model '%s': loaded version %s from %s",
                 served.name,
@@ -292,7 +299,7 @@ def create_app(
             await state.wait_idle(config.shutdown_grace_s)
             with contextlib.suppress(Exception):
                 await loading
-            await anyio.to_thread.run_sync(state.close)
+            await in_passing_thread(state.model_work, state.close)
 
     routes = [
         Route("/health", health),
@@ -323,7 +330,7 @@ def create_app(
 
 async def _load(state: AppState) -> None:
     try:
-        await anyio.to_thread.run_sync(state.load)
+        await in_passing_thread(state.model_work, state.load)
     except Exception:
         log.exception("the server cannot serve: models did not load")
         if state.on_load_failed is not None:
