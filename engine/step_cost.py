@@ -61,16 +61,20 @@ class StepCost:
             self._coef, self._stale = self._fit(), False
         return self._coef
 
-    def prompt_budget(self, decodes: int, target_s: float, floor: int, ceiling: int) -> int | None:
-        """Prompt tokens that keep a step with ``decodes`` decodes near ``target_s``, between
-        ``floor`` (a long prompt always moves on) and ``ceiling``; None while unknown."""
+    def prompt_budget(
+        self, decodes: int, target_s: float, floor: int, ceiling: int, stretch: float = 1.0
+    ) -> int | None:
+        """Prompt tokens that keep a step with ``decodes`` decodes near ``target_s``, or near
+        ``stretch`` times the decodes' own step where that is longer; between ``floor`` (a
+        long prompt always moves on) and ``ceiling``; None while unknown."""
         coef = self.estimate()
         if coef is None:
             return None
         base, per_decode, per_token = coef
         if per_token <= 0:
             return ceiling
-        room = target_s - base - per_decode * decodes
+        decodes_alone = base + per_decode * decodes
+        room = max(target_s, stretch * decodes_alone) - decodes_alone
         return max(floor, min(ceiling, int(room / per_token)))
 
     def _fit(self) -> tuple[float, float, float] | None:

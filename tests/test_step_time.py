@@ -13,11 +13,17 @@ import threading
 import pytest
 
 from conftest import build_llm
+from trae_groups.engine import scheduler as scheduler_module
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.sampling import SamplingParams
-from trae_groups.engine.scheduler import MIN_PROMPT_CHUNK, Scheduler, SchedulerSettings
+from trae_groups.engine.scheduler import (
+    MIN_PROMPT_CHUNK,
+    PROMPT_STRETCH,
+    Scheduler,
+    SchedulerSettings,
+)
 from trae_groups.engine.sequence import Sequence
 from trae_groups.engine.step_cost import StepCost
 
@@ -99,11 +105,19 @@ def test_beside_decodes_a_step_carries_what_fits_the_target():
     assert cost_of(1, chunk.num_new) == pytest.approx(0.100, abs=0.004)
 
 
-def test_a_slow_model_still_moves_a_long_prompt_on():
-    s = scheduler(target_s=0.010)  # less than a decode step costs
+def test_where_the_decodes_alone_pass_the_target_a_step_may_stretch_to_a_multiple_of_theirs():
+    s = scheduler(target_s=0.010)  # less than the decode step costs (33 ms)
     decoding_beside_a_long_prompt(s)
     (chunk,) = s.schedule().prefills
-    assert chunk.num_new == MIN_PROMPT_CHUNK
+    # PROMPT_STRETCH x 33 ms in all: the prompt gets the rest, at 1 ms a token
+    alone = cost_of(1, 0)
+    assert chunk.num_new == pytest.approx((PROMPT_STRETCH - 1) * alone / PER_TOKEN, abs=3)
+    assert cost_of(1, chunk.num_new) == pytest.approx(PROMPT_STRETCH * alone, abs=0.004)
+
+
+def test_a_slow_model_still_moves_a_long_prompt_on():
+    cost = taught(StepCost())
+    assert cost.prompt_budget(1, 0.010, MIN_PROMPT_CHUNK, 512) == MIN_PROMPT_CHUNK
 
 
 def test_without_decodes_or_without_a_target_the_budget_is_whole():
@@ -142,10 +156,13 @@ def test_a_step_that_gives_a_prompt_its_first_token_is_not_topped_up_past_the_ta
         assert chunks == {"long": long_chunk, "short": 20}, target
 
 
-def test_the_engine_learns_its_step_cost_and_holds_prompts_beside_streams(tmp_path):
+def test_the_engine_learns_its_step_cost_and_holds_prompts_beside_streams(tmp_path, monkeypatch):
     """On a real engine with its loop thread, a target below what any step costs: once the
     engine has measured its steps, every step that carries the long prompt beside the stream
-    carries the floor, where without a target it would take the whole budget."""
+    carries the floor, where without a target it would take the whole budget. (The stretch
+    is off: a tiny model's prompt tokens are so cheap beside its step's base that twice a
+    decode step holds nothing back.)"""
+    monkeypatch.setattr(scheduler_module, "PROMPT_STRETCH", 1.0)
     folder = build_llm(tmp_path / "m", "llama", max_position_embeddings=2048)
     config = EngineConfig(
         pool_bytes=32 << 20, step_time_target_ms=0.001, max_num_batched_tokens=256
