@@ -410,9 +410,12 @@ def test_api_workers_share_one_engine_and_no_process_outlives_them(root, tmp_pat
         )
         assert kinds == ["engine", "front", "front"]  # two fronts, one engine
         worker = next(p for p in processes[1:] if "api_workers" in " ".join(p.cmdline()))
-        wait_until(
-            lambda: f"[api {worker.pid}]: ready" in (tmp_path / "serve.log").read_text(),
-            "the worker front attached to the engine and ready",
+        wait_until(  # both fronts answer on the port: each must be ready, not just one
+            lambda: (
+                f"[api {worker.pid}]: ready" in (text := (tmp_path / "serve.log").read_text())
+                and "trae_groups.server: ready" in text
+            ),
+            "both fronts attached to the engine and ready",
         )
 
         async def burst() -> list[int]:

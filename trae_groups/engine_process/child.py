@@ -38,6 +38,7 @@ from typing import Any
 
 from trae_groups.engine.errors import RequestError
 from trae_groups.engine.host import ModelHost
+from trae_groups.engine.memory import LARGE_PIECE_BYTES, TrimSoon
 from trae_groups.engine.passing_threads import PassingThreads
 from trae_groups.engine.protocol import ModelClient
 from trae_groups.engine_process.wire import CHUNK, ERROR, RESULT, Channel, chunk_fields, pack_error
@@ -93,6 +94,7 @@ class EngineServer:
         # OpenMP team stays to throttle the engine's (engine/passing_threads.py)
         self.admin = PassingThreads("trae-engine-admin")
         self.reads = PassingThreads("trae-engine-reads")
+        self.trim = TrimSoon()
         self.channel = self._front(conn, "trae-engine")
         self.listen = listen
         self.parent = os.getppid()
@@ -236,10 +238,10 @@ class EngineServer:
         except Exception as exc:  # RequestError, EngineStopped, ...: before any work
             self._out(front, sid, ERROR, exc)
             return
-        task = self.loop.create_task(self._pump(front, sid, stream))
+        task = self.loop.create_task(self._pump(front, sid, stream, _is_large(request)))
         self.streams[sid] = Live(task, client, request.request_id, front)
 
-    async def _pump(self, front: Channel, sid: int, stream: Any) -> None:
+    async def _pump(self, front: Channel, sid: int, stream: Any, large: bool) -> None:
         try:
             async with aclosing(stream):
                 async for chunk in stream:
@@ -250,6 +252,8 @@ class EngineServer:
             self._out(front, sid, ERROR, exc)
         finally:
             self.streams.pop(sid, None)
+            if large:  # what tokenizing it took stays in glibc's arenas until trimmed
+                self.trim.request()
 
     async def _encode(
         self, front: Channel, sid: int, binding: int, key: tuple, request: Any
@@ -364,6 +368,14 @@ def _exit_after(seconds: float) -> None:
     timer = threading.Timer(seconds, os._exit, args=(0,))
     timer.daemon = True
     timer.start()
+
+
+def _is_large(request: Any) -> bool:
+    """A prompt or chat of at least LARGE_PIECE_BYTES characters."""
+    if isinstance(request.prompt, str):
+        return len(request.prompt) >= LARGE_PIECE_BYTES
+    texts = request.messages or ()
+    return sum(len(str(m.get("content", ""))) for m in texts) >= LARGE_PIECE_BYTES
 
 
 def main(argv: list[str]) -> int:

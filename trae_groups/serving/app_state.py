@@ -23,12 +23,14 @@ from typing import TYPE_CHECKING
 import anyio
 
 from trae_groups.engine.config import EngineConfig
+from trae_groups.engine.memory import LARGE_PIECE_BYTES
 from trae_groups.engine.passing_threads import PassingThreads
 from trae_groups.graphs.compile import CompiledGraph, compile_graph
 from trae_groups.graphs.executor import GraphExecutor
 from trae_groups.graphs.spec import GraphSpec, PythonNode
 from trae_groups.serving.admission import NodeTimes, ServiceRate
 from trae_groups.serving.http_errors import not_found, unavailable
+from trae_groups.serving.http_io import LargeBodies
 from trae_groups.serving.metrics import Metrics, NodeInfo
 
 if TYPE_CHECKING:
@@ -48,6 +50,10 @@ class ServerConfig:
     max_inflight: int = 256
     graph_limits: Mapping[str, int] = field(default_factory=dict)
     max_body_bytes: int = 1 << 20
+    # bodies this large or larger are parsed off the event loop, at most max_large_bodies
+    # at once (429 past it), and the heap is trimmed after them (serving/http_io.LargeBodies)
+    large_body_bytes: int = LARGE_PIECE_BYTES
+    max_large_bodies: int = 8
     retry_after_s: int = 1
     shutdown_grace_s: float = 30.0
     admin_token: str | None = None
@@ -84,6 +90,8 @@ class ServerConfig:
             raise ValueError("max_inflight: every limit must be an integer >= 1")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes: must be >= 1")
+        if self.large_body_bytes < 1 or self.max_large_bodies < 1:
+            raise ValueError("large_body_bytes and max_large_bodies: must be >= 1")
         if self.retry_after_s < 0 or self.shutdown_grace_s < 0:
             raise ValueError("retry_after_s and shutdown_grace_s: must be >= 0")
         if self.max_queue_wait_s <= 0 or self.openai_timeout_s <= 0:
@@ -189,6 +197,9 @@ class AppState:
         self.metrics = Metrics()
         # loads, unloads and reloads: on threads that end (engine/passing_threads.py)
         self.model_work = PassingThreads("trae-models")
+        self.large_bodies = LargeBodies(
+            config.large_body_bytes, config.max_large_bodies, config.retry_after_s
+        )
         self.graphs: dict[str, ServedGraph] = {}
         for spec, path in graphs:
             if spec.name in self.graphs:

@@ -17,7 +17,8 @@ status themselves.
 | 422 | inputs or sampling parameters invalid (``field`` names which); a node's engine
         refused what the request made it render (``node`` and ``field``); a graph
         reload that does not validate (``issues``); a version split that cannot apply |
-| 429 | the graph already has ``max_inflight`` requests (``Retry-After``) |
+| 429 | the graph already has ``max_inflight`` requests, or ``max_large_bodies`` large
+        bodies are being read (``Retry-After``) |
 | 431 | a request's headers are larger than 64 KiB (http_protocol) |
 | 500 | a node failed (``node``), or a server bug (no details leak) |
 | 503 | models still loading, an on-demand model not resident in time, or the server is

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
+from trae_groups.engine.memory import TrimSoon
 from trae_groups.serving.http_errors import (
     HTTPError,
     bad_request,
@@ -53,21 +54,75 @@ def header_deadline(request: Request) -> float | None:
     return value
 
 
+class LargeBodies:
+    """Bodies of at least ``threshold`` bytes: parsed on a worker thread so that the event
+    loop keeps answering (``/health`` included) while megabytes are decoded, at most
+    ``limit`` of them in flight (429 past it, ``Retry-After``), and the heap trimmed once
+    a burst of them is over. Counted on the event loop only: no lock."""
+
+    def __init__(self, threshold: int, limit: int, retry_after: int):
+        self.threshold = threshold
+        self.limit = limit
+        self.retry_after = retry_after
+        self.in_flight = 0
+        self.refused = 0
+        self.trim = TrimSoon()
+
+    def admit(self) -> None:
+        if self.in_flight >= self.limit:
+            self.refused += 1
+            raise HTTPError(
+                429,
+                f"{self.limit} request bodies of {self.threshold} bytes or more are already "
+                "being read; retry later",
+                type="TooManyLargeBodies",
+                headers={"Retry-After": str(self.retry_after)},
+            )
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self.trim.request()
+
+
 async def read_json(request: Request, limit: int) -> Any:
-    """The body as JSON; 413 past ``limit`` bytes (declared or streamed), 400 if not JSON."""
+    """The body as JSON; 413 past ``limit`` bytes (declared or streamed), 400 if not JSON.
+    A large body (``LargeBodies``) is admitted against the server's limit and parsed off the
+    event loop."""
+    large: LargeBodies | None = getattr(
+        getattr(request.app.state, "trae", None), "large_bodies", None
+    )
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
             raise bad_request("Content-Length is not a number")
         if int(declared) > limit:
             raise too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
-    body = b"".join(chunks)
+    admitted = False
+    try:
+        if large is not None and declared is not None and int(declared) >= large.threshold:
+            large.admit()
+            admitted = True
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(limit)
+            if large is not None and not admitted and size >= large.threshold:
+                large.admit()  # no Content-Length: large once it has grown so
+                admitted = True
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        del chunks
+        if admitted:
+            return await anyio.to_thread.run_sync(_parse_json, body)
+        return _parse_json(body)
+    finally:
+        if admitted:
+            large.release()
+
+
+def _parse_json(body: bytes) -> Any:
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
