@@ -85,6 +85,25 @@ def chat_token_ids(
     return ids + encode(tokenizer, text)
 
 
+def prompt_token_ids(tokenizer: Any, text: str, inlined: Sequence[tuple[int, int]]) -> list[int]:
+    """A text prompt's ids where ``inlined`` spans came from request values: as for chat
+    contents, a special token's text inside a span is read as characters, the rest of the
+    text keeps its control tokens. Spans without any special token's text take the plain
+    path, which gives the same ids as tokenizing the whole text."""
+    specials = special_texts(tokenizer)
+    spans = [(a, b) for a, b in inlined if any(s in text[a:b] for s in specials)]
+    if not spans:
+        return encode(tokenizer, text)
+    ids: list[int] = []
+    at = 0
+    for start, end in sorted(spans):
+        ids += encode(tokenizer, text[at:start]) + encode(
+            tokenizer, text[start:end], specials=False
+        )
+        at = end
+    return ids + encode(tokenizer, text[at:])
+
+
 _END = "\ue000trae-prefix-end\ue001"
 
 

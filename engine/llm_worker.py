@@ -102,6 +102,8 @@ class LLMWorker(Worker):
             if self.tokenizer is None:
                 return chat.render(None, messages)
             return chat.chat_token_ids(self.tokenizer, messages, tools)
+        if request.inlined and isinstance(request.prompt, str) and self.tokenizer is not None:
+            return chat.prompt_token_ids(self.tokenizer, request.prompt, request.inlined)
         return self.encode(request.prompt)
 
     def submit(self, request: GenerateRequest, sink: Callable[[RequestOutput], None]) -> None:

@@ -75,6 +75,10 @@ class GenerateRequest:
     #: and produce no text. One final chunk says how many tokens were cached.
     prefix_only: bool = False
     adapter: str | None = None  # a LoRA adapter on the model (None: the base model)
+    #: (start, end) character spans of a text prompt that request values supplied (a graph's
+    #: prompt template inlined them): a special token's text inside them is tokenized as
+    #: plain characters (engine/chat.prompt_token_ids)
+    inlined: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self):
         if (self.prompt is None) == (self.messages is None):

@@ -93,6 +93,9 @@ class NodeBase(Spec):
 
     #: Fields whose strings are templates (rendered per request, in this order).
     TEMPLATES: ClassVar[tuple[str, ...]] = ()
+    #: Of those, the ones a model tokenizes as one text: the values they inline keep their
+    #: special tokens' text as characters (graphs/templates.PromptText).
+    TEXT_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     when: str | None = None
     after: NameList = []
@@ -328,6 +331,7 @@ class GenerateNode(NodeBase):
     """
 
     TEMPLATES: ClassVar = ("prompt", "messages")
+    TEXT_FIELDS: ClassVar = ("prompt",)
     kind: Literal["generate"]
     model: str
     prompt: str | None = None
@@ -406,7 +410,8 @@ def generate_request(
     node: GenerateNode = call.node
     session = call.session or (call.work_id if node.follows is not None else None)
     if node.prompt is not None:
-        text = {"prompt": str(payload["prompt"])}
+        prompt = payload["prompt"]
+        text = {"prompt": str(prompt), "inlined": getattr(prompt, "inlined", None) or None}
     else:
         text = {"messages": tuple(payload["messages"])}
     return GenerateRequest(

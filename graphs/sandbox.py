@@ -240,6 +240,30 @@ def _emit(value: Any) -> str:
     return text
 
 
+#: Around each value a prompt template outputs (``make_environment(mark_values=True)``), so
+#: that the rendered text says which characters came from values: their special tokens'
+#: text is tokenized as text (graphs/templates.PromptText). Private-use characters; a value
+#: that holds one has it replaced by U+FFFD.
+VALUE_OPEN, VALUE_CLOSE = "\ue002", "\ue003"
+
+
+class SpecialText(str):
+    """A value the graph lets keep its special tokens (the ``special_tokens`` filter)."""
+
+
+def _emit_marked(value: Any) -> str:
+    text = _emit(value)
+    if isinstance(value, SpecialText):
+        return text.replace(VALUE_OPEN, "\ufffd").replace(VALUE_CLOSE, "\ufffd")
+    text = text.replace(VALUE_OPEN, "\ufffd").replace(VALUE_CLOSE, "\ufffd")
+    return VALUE_OPEN + text + VALUE_CLOSE
+
+
+def _special_tokens(value: Any) -> SpecialText:
+    """``{{ inputs.x | special_tokens }}``: this value's control tokens stay control tokens."""
+    return SpecialText(value if isinstance(value, str) else str(value))
+
+
 # ---------------------------------------------------------------- the environment
 
 
@@ -288,13 +312,16 @@ def _vformat(formatter: string.Formatter, text: str, *args: Any, **kwargs: Any) 
     return formatter.vformat(text, args, kwargs)
 
 
-def make_environment() -> Sandbox:
-    """A fresh bounded sandbox; its globals are only range (bounded), dict and namespace."""
-    env = Sandbox(undefined=StrictUndefined, autoescape=False, optimized=False, finalize=_emit)
+def make_environment(mark_values: bool = False) -> Sandbox:
+    """A fresh bounded sandbox; its globals are only range (bounded), dict and namespace.
+    ``mark_values``: every ``{{ }}`` output is put between VALUE_OPEN and VALUE_CLOSE."""
+    finalize = _emit_marked if mark_values else _emit
+    env = Sandbox(undefined=StrictUndefined, autoescape=False, optimized=False, finalize=finalize)
     env.globals = {"range": safe_range, "dict": dict, "namespace": Namespace}
     env.filters = {name: _guard_filter(name, f) for name, f in env.filters.items()}
     env.filters[_LOOP_FILTER] = _loop
     env.filters[_CONCAT_FILTER] = _concat
+    env.filters["special_tokens"] = _special_tokens
     return env
 
 

@@ -31,7 +31,16 @@ from pydantic import BaseModel
 
 from trae_groups.graphs.errors import TemplateRenderError
 from trae_groups.graphs.nodes import KINDS, TEMPLATE_FIELDS, NodeBase
-from trae_groups.graphs.sandbox import MAX_DEPTH, LimitExceeded, bound, budgeted, depth
+from trae_groups.graphs.sandbox import (
+    MAX_DEPTH,
+    VALUE_CLOSE,
+    VALUE_OPEN,
+    LimitExceeded,
+    SpecialText,
+    bound,
+    budgeted,
+    depth,
+)
 from trae_groups.graphs.sandbox import make_environment as make_environment
 
 _SINGLE = re.compile(r"^\s*\{\{-?(.*?)-?\}\}\s*$", re.S)
@@ -39,6 +48,7 @@ _FORBIDDEN_NODES = (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends
 
 
 ENV = make_environment()
+PROMPT_ENV = make_environment(mark_values=True)  # the fields a node kind names TEXT_FIELDS
 _TOO_DEEP = f"template nested too deeply (more than {MAX_DEPTH} levels)"
 
 
@@ -195,21 +205,60 @@ def _value_templates(path: tuple, value: Any) -> Iterator[tuple[tuple, str, bool
 # ---------------------------------------------------------------- rendering
 
 
-class GraphTemplate:
-    """One compiled template; render() follows the raw-value rule (module doc)."""
+class PromptText(str):
+    """A rendered prompt that knows which characters the request's values supplied
+    (``inlined``: (start, end) spans): the engine tokenizes a special token's text inside
+    them as plain characters, so a value cannot forge a turn marker, while the template's
+    own text keeps its control tokens. ``{{ x | special_tokens }}`` opts a value out."""
 
-    def __init__(self, source: str):
+    inlined: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def from_marked(cls, marked: str) -> PromptText:
+        pieces, spans, at = [], [], 0
+        for i, part in enumerate(marked.split(VALUE_OPEN)):
+            value, closed, literal = part.partition(VALUE_CLOSE) if i else ("", "", part)
+            if i and not closed:  # no close mark: the template wrote one itself; as text
+                value, literal = "", VALUE_OPEN + part
+            if value:
+                spans.append((at, at + len(value)))
+                at += len(value)
+                pieces.append(value)
+            pieces.append(literal)
+            at += len(literal)
+        text = cls("".join(pieces))
+        text.inlined = tuple(spans)
+        return text
+
+    @classmethod
+    def of_value(cls, value: Any) -> PromptText:
+        """A prompt that is one value, all of it inlined unless it is SpecialText."""
+        text = cls(value if isinstance(value, str) else str(value))
+        text.inlined = () if isinstance(value, SpecialText) or not text else ((0, len(text)),)
+        return text
+
+
+class GraphTemplate:
+    """One compiled template; render() follows the raw-value rule (module doc). With
+    ``PROMPT_ENV`` it renders to a PromptText."""
+
+    def __init__(self, source: str, env: Any = ENV):
         self.source = source
-        ast = bound(_checked(source, expression=False), ENV)
-        self._template = _compile(source, ast)
+        self._prompt = env is PROMPT_ENV
+        ast = bound(_checked(source, expression=False), env)
+        self._template = _compile(source, ast, env)
         expression = _single_expression(source, ast)
-        self._expression = None if expression is None else _compile_expression(source, expression)
+        self._expression = (
+            None if expression is None else _compile_expression(source, expression, env)
+        )
 
     def render(self, context: Mapping[str, Any]) -> Any:
         try:
             if self._expression is None:
-                return budgeted(lambda: self._template.render(context))
-            return _defined(budgeted(lambda: self._expression(context)))
+                text = budgeted(lambda: self._template.render(context))
+                return PromptText.from_marked(text) if self._prompt else text
+            value = _defined(budgeted(lambda: self._expression(context)))
+            return PromptText.of_value(value) if self._prompt else value
         except TemplateRenderError:
             raise
         except Exception as exc:
@@ -262,19 +311,19 @@ def _single_expression(source: str, ast: nodes.Template) -> nodes.Expr | None:
     return parts[0]
 
 
-def _compile(source: str, ast: nodes.Template) -> Template:
+def _compile(source: str, ast: nodes.Template, env: Any = ENV) -> Template:
     try:
-        return ENV.from_string(ast)
+        return env.from_string(ast)
     except TemplateSyntaxError as exc:  # what only the compiler sees
         raise TemplateRenderError(f"template {_clip(source)}: {exc.message}") from exc
 
 
-def _compile_expression(source: str, expression: nodes.Expr) -> TemplateExpression:
+def _compile_expression(source: str, expression: nodes.Expr, env: Any = ENV) -> TemplateExpression:
     """Jinja's compile_expression, from an AST already checked and bounded."""
     target = nodes.Name("result", "store", lineno=1)
     root = nodes.Template([nodes.Assign(target, expression, lineno=1)], lineno=1)
-    root.set_environment(ENV)
-    return TemplateExpression(_compile(source, root), undefined_to_none=False)
+    root.set_environment(env)
+    return TemplateExpression(_compile(source, root, env), undefined_to_none=False)
 
 
 def _defined(value: Any) -> Any:
@@ -305,7 +354,9 @@ class NodeTemplates:
         self.when = Condition(node.when) if node.when is not None else None
         self.cut_when = Condition(node.cut_when) if node.cut_when is not None else None
         self._payload = {
-            key: _compile_value(_plain(getattr(node, key)))
+            key: _compile_value(
+                _plain(getattr(node, key)), PROMPT_ENV if key in node.TEXT_FIELDS else ENV
+            )
             for key in node.TEMPLATES
             if getattr(node, key) is not None
         }
@@ -326,13 +377,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _compile_value(value: Any) -> Any:
+def _compile_value(value: Any, env: Any = ENV) -> Any:
     if isinstance(value, str):
-        return GraphTemplate(value)
+        return GraphTemplate(value, env)
     if isinstance(value, dict):
-        return {key: _compile_value(item) for key, item in value.items()}
+        return {key: _compile_value(item, env) for key, item in value.items()}
     if isinstance(value, list):
-        return [_compile_value(item) for item in value]
+        return [_compile_value(item, env) for item in value]
     return value
 
 
