@@ -33,9 +33,11 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("large_bodies")
     (folder / "echo.yaml").write_text(GRAPH)
     config = ServerConfig(large_body_bytes=THRESHOLD, max_large_bodies=LIMIT)
-    with node_module(folder, "large_bodies_nodes", ECHO_SOURCE):
-        with ServerThread(create_app([folder / "echo.yaml"], config)) as running:
-            yield running
+    with (
+        node_module(folder, "large_bodies_nodes", ECHO_SOURCE),
+        ServerThread(create_app([folder / "echo.yaml"], config)) as running,
+    ):
+        yield running
 
 
 def body_of(size: int) -> bytes:

@@ -31,8 +31,14 @@ from trae_groups.engine.memory_pool import PoolStats
 from trae_groups.engine.protocol import EngineStats, ModelStats, Window
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-INFERENCE_MS_BUCKETS = (10, 50, 100, 200, 500)
+# 1 ms to 120 s, 1-2.5-5 a decade and finer past 10 s: a CPU's p99 of a graph with an LLM
+# in it is seconds to tens of seconds, and a histogram_quantile reads no higher than the
+# largest finite bound (a 500 ms top once reported a p99 of 500 ms that was over 10 s)
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0,
+)  # fmt: skip
+INFERENCE_MS_BUCKETS = tuple(round(b * 1000, 3) for b in LATENCY_BUCKETS)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
