@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from trae_groups.engine.deadlines import Deadline, Priority, tightest
 from trae_groups.engine.errors import DeadlineExceeded
 from trae_groups.engine.protocol import ModelClient, new_request_id
+from trae_groups.graphs import tracing
 from trae_groups.graphs.compile import CompiledGraph
 from trae_groups.graphs.errors import GraphError, GraphTimeout, NodeError, first_error
 from trae_groups.graphs.nodes import KINDS, GenerateNode, NodeCall, PythonNode, generate_request
@@ -112,6 +113,7 @@ class Prepared:
     timeout: float | None
     session: str | None = None  # keeps a user's requests on one engine replica
     deadline: Deadline | None = None
+    traceparent: str | None = None  # the caller's W3C trace context (graphs/tracing.py)
 
     @property
     def limit(self) -> float | None:
@@ -211,6 +213,7 @@ class GraphExecutor:
         request_id: str | None = None,
         session: str | None = None,
         deadline: float | None = None,
+        traceparent: str | None = None,
     ) -> Prepared:
         """Check a request (InputError names the field) and mint its id. ``deadline``
         (epoch seconds, e.g. a header's) tightens the time limit."""
@@ -235,6 +238,7 @@ class GraphExecutor:
             limit,
             session,
             tightest(limit, deadline, drop=spec.on_deadline == "drop"),
+            traceparent,
         )
 
     # -- the request path ------------------------------------------------------------
@@ -245,7 +249,25 @@ class GraphExecutor:
         ``outputs``, ``timeout``, ``request_id``)."""
         prepared = request if isinstance(request, Prepared) else self.prepare(request, **prepare)
         state = _Request(self, prepared, on_event)
+        clock = tracing.RunClock() if tracing.enabled() else None
         start = time.perf_counter()
+        try:
+            await self._run_nodes(state, prepared)
+        except BaseException as exc:
+            self._trace(state, clock, exc)
+            raise
+        self._trace(state, clock, None)
+        result = RunResult(
+            prepared.request_id,
+            self.graph.outputs(state.context, prepared.outputs, partial=state.cut is not None),
+            state.records,
+            round((time.perf_counter() - start) * 1000, 3),
+            versions={m: v for m, v in state.versions.items() if len(self.models[m].clients) > 1},
+            cut=state.cut.body() if state.cut else None,
+        )
+        return result
+
+    async def _run_nodes(self, state: _Request, prepared: Prepared) -> None:
         try:
             with anyio.fail_after(prepared.limit):
                 async with anyio.create_task_group() as group:
@@ -257,15 +279,17 @@ class GraphExecutor:
         except BaseExceptionGroup as group_error:
             error = _first_graph_error(group_error)
             raise (_timed_out(state) if isinstance(error, DeadlineExceeded) else error) from None
-        result = RunResult(
-            prepared.request_id,
-            self.graph.outputs(state.context, prepared.outputs, partial=state.cut is not None),
-            state.records,
-            round((time.perf_counter() - start) * 1000, 3),
-            versions={m: v for m, v in state.versions.items() if len(self.models[m].clients) > 1},
-            cut=state.cut.body() if state.cut else None,
-        )
-        return result
+
+    def _trace(
+        self, state: _Request, clock: tracing.RunClock | None, error: BaseException | None
+    ) -> None:
+        if clock is None:
+            return
+        prepared, spec = state.prepared, self.graph.spec
+        tracing.record_run(
+            spec.name, prepared.request_id, prepared.traceparent, clock, spec.nodes,
+            state.records, state.versions, error,
+        )  # fmt: skip
 
     async def _run_node(self, request: _Request, name: str) -> None:
         record = request.records[name]

@@ -540,6 +540,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.otlp_endpoint:  # every front process reads it (graphs/tracing.configure_from_env)
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.otlp_endpoint
     if args.ray_config:
         import yaml
 
@@ -668,6 +670,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the engine (models, pool, loop, scheduler) in a child process of its own, "
         "restarted if it dies; --no-engine-process keeps it in the HTTP process",
     )
+    serve.add_argument(
+        "--otlp-endpoint", default=None, metavar="URL",
+        help="send OpenTelemetry traces (a span per graph request, a child per node) over "
+        "OTLP/HTTP to URL (e.g. http://127.0.0.1:4318; sets OTEL_EXPORTER_OTLP_ENDPOINT); "
+        "off by default; needs trae-groups[otel]",
+    )  # fmt: skip
     serve.add_argument(
         "--api-workers", type=int, default=1, metavar="N",
         help="HTTP front processes sharing the one engine process (default 1); admin "

@@ -87,6 +87,7 @@ async def run_graph(request: Request) -> Response:
             timeout=body.timeout,
             session=request.headers.get("x-session-id"),
             deadline=deadline,
+            traceparent=request.headers.get("traceparent"),
         )
         headers = {"X-Request-ID": prepared.request_id}
         if body.stream:

@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from trae_groups.engine.passing_threads import in_passing_thread
+from trae_groups.graphs import tracing
 from trae_groups.graphs.loader import load_graph
 from trae_groups.graphs.routing import RouteError, check_split, parse_split, with_weight
 from trae_groups.graphs.spec import GraphSpec
@@ -291,6 +292,8 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         app.state.grace_over = asyncio.Event()  # set when shutdown's grace runs out
+        if not tracing.enabled():
+            tracing.configure_from_env()
         loading = asyncio.get_running_loop().create_task(_load(state))
         try:
             yield
@@ -300,6 +303,7 @@ def create_app(
             with contextlib.suppress(Exception):
                 await loading
             await in_passing_thread(state.model_work, state.close)
+            tracing.flush()
 
     routes = [
         Route("/health", health),
