@@ -31,7 +31,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from conftest import build_encoder, build_llm  # noqa: E402
+from conftest import build_encoder, build_llm, build_lora  # noqa: E402
 from trae_groups import loadgen  # noqa: E402
 
 TOKEN = "soak-admin"
@@ -62,14 +62,44 @@ nodes:
   answer: {{model: dialog, messages: "{{{{ inputs.messages }}}}", params: {{max_tokens: 16}}}}
 outputs: {{text: answer.text}}
 """
+# the paths the first graphs do not take: a LoRA adapter, a streamed edge, an embedder,
+# structured output, and two generate models swapping under a budget that holds one
+MIXED = """
+name: mixed
+resources: {{weight_budget: {budget}, load_wait_s: 60}}
+models:
+  dialog:
+    source: {root}/dialog
+    task: generate
+    resident: always
+    adapters: {{tone: {root}/lora}}
+  spare: {{source: {root}/spare, task: generate, resident: on_demand}}
+  embedder: {{source: {root}/embedder, task: embed}}
+inputs: {{text: str}}
+nodes:
+  draft: {{model: dialog, adapter: tone, prompt: "{{{{ inputs.text }}}}", params: {{max_tokens: 24}}}}
+  echo:
+    model: dialog
+    follows: {{node: draft, tokens: 8}}
+    prompt: "Again: {{{{ draft.text }}}}"
+    params: {{max_tokens: 8}}
+  other: {{model: spare, prompt: "{{{{ inputs.text }}}}", params: {{max_tokens: 8}}}}
+  vector: {{model: embedder, input: "{{{{ inputs.text }}}}"}}
+outputs: {{draft: draft.text, echo: echo.text, other: other.text, vector: vector.embedding}}
+"""
 WORDS = ["hello", "where", "is", "my", "order", "refund", "paris", "london", "please", "ship"]
 
 
 def rss_mb(pid: int) -> float:
+    """Resident MB of ``pid`` and its descendants (the engine process is a child)."""
+    total = 0.0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+            total += int(line.split()[1]) / 1024
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split()
+        total += sum(rss_mb(int(child)) for child in children)
+    return total
 
 
 def pool_used(metrics: str) -> float:
@@ -92,8 +122,8 @@ class Soak:
     async def one(self, session: aiohttp.ClientSession) -> None:
         kind = self.rng.choices(
             ["graph", "graph_sse", "chat", "completion_sse", "drop_stream", "drop_request",
-             "bad", "long", "admin"],
-            weights=[30, 10, 10, 8, 8, 5, 15, 3, 1],
+             "bad", "long", "admin", "mixed", "structured", "embedding", "adapter"],
+            weights=[30, 10, 10, 8, 8, 5, 15, 3, 1, 8, 5, 5, 5],
         )[0]  # fmt: skip
         start = time.perf_counter()
         try:
@@ -101,7 +131,7 @@ class Soak:
         except (TimeoutError, aiohttp.ClientError) as exc:
             code = f"client-{type(exc).__name__}"
         self.status[f"{kind}:{code}"] += 1
-        if code == 200 and kind in ("graph", "chat"):
+        if code == 200 and kind in ("graph", "chat"):  # the latency figures: the simple paths
             self.latencies.append(time.perf_counter() - start)
         if isinstance(code, int) and code >= 500 and code != 503:
             self.failures.append(f"{kind} -> {code}")
@@ -168,6 +198,26 @@ class Soak:
             return await self.post(session, "/v1/graphs/nothere", {"inputs": {}})
         return await self.post(session, "/v1/graphs/soak", b"\xff\xfe")
 
+    async def mixed(self, session) -> int:
+        """Adapter, streamed edge, on-demand swap and embedder in one graph run."""
+        return await self.post(session, "/v1/graphs/mixed", {"inputs": {"text": self.text()}})
+
+    async def structured(self, session) -> int:
+        schema = {"type": "object", "properties": {"word": {"enum": WORDS}},
+                  "required": ["word"], "additionalProperties": False}  # fmt: skip
+        body = {"model": "soak/dialog", "messages": [{"role": "user", "content": self.text()}],
+                "max_tokens": 32, "response_format": {"type": "json_schema",
+                "json_schema": {"name": "w", "schema": schema}}}  # fmt: skip
+        return await self.post(session, "/v1/chat/completions", body)
+
+    async def embedding(self, session) -> int:
+        body = {"model": "mixed/embedder", "input": [self.text() for _ in range(4)]}
+        return await self.post(session, "/v1/embeddings", body)
+
+    async def adapter(self, session) -> int:
+        body = {"model": "mixed/dialog:tone", "prompt": self.text(), "max_tokens": 8}
+        return await self.post(session, "/v1/completions", body)
+
     async def long(self, session) -> int:
         body = {"model": "soak/dialog", "prompt": list(range(3, 200)), "max_tokens": 4}
         return await self.post(session, "/v1/completions", body)
@@ -209,14 +259,20 @@ def main() -> int:
     build_encoder(root / "intent", "classify", ["greet", "order", "spam"], seed=3)
     build_encoder(root / "intent2", "classify", ["greet", "order", "spam"], seed=4)
     build_llm(root / "dialog", "llama")
+    build_llm(root / "spare", "qwen3", seed=1)
+    build_encoder(root / "embedder", "embed", [], seed=5)
+    build_lora(root / "lora", root / "dialog", r=4, lora_alpha=8, target_modules=["q_proj"])
     (root / "soak.yaml").write_text(GRAPH.format(root=root))
     (root / "chat.yaml").write_text(CHAT.format(root=root))
+    # the budget holds dialog and the embedder but not spare too: spare swaps in and out
+    (root / "mixed.yaml").write_text(MIXED.format(root=root, budget="1MiB"))
     port = loadgen.free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "TRAE_ADMIN_TOKEN": TOKEN}
     server = subprocess.Popen(
         [sys.executable, "-m", "trae_groups.cli", "--log-level", "warning", "serve",
-         str(root / "soak.yaml"), str(root / "chat.yaml"), "--port", str(port),
+         str(root / "soak.yaml"), str(root / "chat.yaml"), str(root / "mixed.yaml"),
+         "--port", str(port),
          "--pool-bytes", "32MiB", "--no-access-log"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip

@@ -362,8 +362,16 @@ class ModelHost:
     def add_adapter(self, client: ModelClient, adapter: str, folder: str | Path) -> None:
         """Register an adapter on the client's LLM once; the same name from another
         folder is refused (ModelLoadError)."""
-        worker = client.worker  # type: ignore[attr-defined]
         folder = Path(folder).expanduser().resolve()
+        if not self.adaptable(client):  # on demand: no resident worker to hold adapters
+            raise ModelLoadError(
+                str(folder),
+                f"model {client.name!r} is loaded on demand (resident: on_demand, or a "
+                "weight_budget that cannot hold every model); LoRA adapters need their base "
+                "resident: give it resident: always",
+                field="adapters",
+            )
+        worker = client.worker  # type: ignore[attr-defined]
         held = worker.adapters.get(adapter) if worker.adapters is not None else None
         if held is None:
             worker.add_adapter(adapter, str(folder))

@@ -166,6 +166,11 @@ class ModelSpec(Spec):
         both = sorted(set(adapted) & set(self.adapters or {}))
         if both:
             raise ValueError(f"{both} name both a version and an adapter; rename one")
+        if (adapted or self.adapters) and self.resident == "on_demand":
+            raise ValueError(
+                "LoRA adapters need their base model resident: resident: on_demand cannot "
+                "have adapters (use resident: always, or no resident)"
+            )
 
     @property
     def sources(self) -> dict[str, str]:

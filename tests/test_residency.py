@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import build_llm
+from conftest import build_llm, build_lora
 from trae_groups.cli import main
 from trae_groups.engine import EngineConfig
 from trae_groups.engine.errors import ModelLoadError, ModelUnavailable
@@ -232,3 +232,30 @@ def test_resident_on_demand_on_an_encoder_is_refused_at_load_naming_file_and_mod
     assert "g.yaml:3:" in str(error.value) and "resident: on_demand is for generate models" in str(
         error.value
     )
+
+
+def test_adapters_on_an_on_demand_model_are_refused_with_the_reason(trio, tmp_path):
+    """Marked on demand: a load error with the file's line; made on demand by a budget that
+    cannot hold every model: refused when bound, naming the model (was an AttributeError)."""
+    root, budget = trio
+    adapter = build_lora(
+        tmp_path / "lora", root / "a", r=2, lora_alpha=4, target_modules=["q_proj"]
+    )
+    marked = graph(root, budget).replace(
+        f"{{source: {root / 'a'}, task: generate, resident: on_demand}}",
+        f"{{source: {root / 'a'}, task: generate, resident: on_demand, adapters: {{x: {adapter}}}}}",
+    )
+    with pytest.raises(GraphValidationError, match=r"trio.yaml:\d+.*LoRA adapters need their base"):
+        load_graph_text(marked, "trio.yaml")
+    pressed = graph(root, budget, resident="").replace(
+        f"{{source: {root / 'a'}, task: generate}}",
+        f"{{source: {root / 'a'}, task: generate, adapters: {{x: {adapter}}}}}",
+    )
+    spec = load_graph_text(pressed, "trio.yaml")
+    rt = ModelRuntime.for_specs([spec])
+    try:
+        with pytest.raises(ModelLoadError, match="'a' is loaded on demand") as refused:
+            rt.bind(spec)
+        assert refused.value.field == "adapters"
+    finally:
+        rt.shutdown()
