@@ -650,12 +650,18 @@ class _LLMCall:
         return start
 
     async def open(self) -> None:
-        """Wait for each first chunk, so an error before any output keeps its status."""
-        try:
-            for i, stream in enumerate(self.streams):
-                self._first[i] = await anext(stream, None)
-        except RequestError as exc:
-            raise self._named(exc) from None
+        """Wait for each first chunk, so an error before any output keeps its status. All
+        at once: a client that submits at the first step (the engine process's) then has
+        every prompt in the engine together."""
+        firsts = await asyncio.gather(
+            *(anext(stream, None) for stream in self.streams), return_exceptions=True
+        )
+        for first in firsts:
+            if isinstance(first, RequestError):
+                raise self._named(first)
+            if isinstance(first, BaseException):
+                raise first
+        self._first = list(firsts)
 
     def _named(self, exc: RequestError) -> Exception:
         """The engine's ``constraint`` is the body's field that asked for it."""
