@@ -151,7 +151,8 @@ class LocalLLM:
     def stream(self, request: GenerateRequest) -> OutputStream:
         """From a running asyncio loop: queued now, its outputs streamed later; closing
         the stream early aborts the request."""
-        stream = OutputStream(self.worker.abort, asyncio.get_running_loop())
+        sequences = request.params.num_sequences
+        stream = OutputStream(self.worker.abort, asyncio.get_running_loop(), sequences)
         stream.request_id = request.request_id
         self.submit(request, stream.put)
         return stream
@@ -209,4 +210,7 @@ def as_chunk(out: RequestOutput) -> GenerationChunk:
         len(out.token_ids),
         out.num_cached_tokens,
         out.error,
+        None if out.delta_logprobs is None else tuple(out.delta_logprobs),
+        None if out.prompt_logprobs is None else tuple(out.prompt_logprobs),
+        out.index,
     )

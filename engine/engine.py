@@ -358,6 +358,8 @@ class LLMEngine:
         torch ops makes both slower)."""
         if not isinstance(params, Sequence):
             params = [params or SamplingParams()] * len(prompts)
+        if any(p.num_sequences > 1 for p in params):  # one output per prompt comes back
+            raise RequestError("n", "generate() returns one output per prompt; use submit()")
         adapters = [None] * len(prompts) if adapters is None else list(adapters)
         inline = not self.loop.running
         if inline:
@@ -366,9 +368,12 @@ class LLMEngine:
         done = threading.Event()
 
         def sink_for(index: int) -> Callable[[RequestOutput], None]:
+            scores: list = []  # the prompt's, sent once (SamplingParams.prompt_logprobs)
+
             def sink(out: RequestOutput) -> None:
+                scores.extend(out.prompt_logprobs or ())
                 if out.finished:
-                    results[index] = out
+                    results[index] = dataclasses.replace(out, prompt_logprobs=scores or None)
                     if len(results) == len(prompts):
                         done.set()
 

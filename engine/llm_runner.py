@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -42,6 +42,7 @@ from trae_groups.engine.flat_forward import (
 )
 from trae_groups.engine.lora import LoraSlots, lora_rows
 from trae_groups.engine.memory_pool import KVLayout, KVView
+from trae_groups.engine.prompt_logprobs import PromptSpan, positions_to_score
 from trae_groups.engine.scheduler import SchedulerOutput
 from trae_groups.kernels import AttentionBackend, PagedBatch
 from trae_groups.kernels.compiled_decode_attention import decode_mask
@@ -172,6 +173,12 @@ class ModelInputs:
     sample_rows: torch.Tensor  # rows of T whose logits are needed
     batch: PagedBatch
     lora: LoraRows | None = None  # each row's adapter slot; None: every row is the base's
+    scored: list[PromptSpan] = field(default_factory=list)  # prompt positions scored
+    picks: torch.Tensor | None = None  # the sampling rows' logits (None: every row samples)
+
+    def sampling_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits of the rows that sample, out of every row that kept logits."""
+        return logits if self.picks is None else logits[self.picks.to(logits.device)]
 
 
 # Inductor options of the compiled decode. The generated wrapper would check every extern
@@ -360,6 +367,8 @@ class LLMRunner:
         sample_rows: list[int] = []
         tables: list[list[int]] = []
         row_slots: list[int] = []
+        scored: list[PromptSpan] = []
+        picks: list[int] = []  # the sampling rows among the rows that keep logits
         for item in sched.scheduled:
             seq, lo = item.seq, item.seq.num_computed
             hi = lo + item.num_new
@@ -370,7 +379,13 @@ class LLMRunner:
             slots.extend(pages[p // page] * page + p % page for p in range(lo, hi))
             starts.append(starts[-1] + item.num_new)
             context_lens.append(hi)
+            first, count = positions_to_score(seq, lo, hi)
+            if count:  # the prompt is scored: its rows keep logits too
+                scored.append(PromptSpan(seq, first, len(sample_rows), count))
+                row = starts[-2] + first - lo
+                sample_rows.extend(range(row, row + count))
             if item.samples:
+                picks.append(len(sample_rows))
                 sample_rows.append(starts[-1] - 1)
             tables.append(pages[: -(-hi // page)])
             if self.lora is not None:
@@ -397,6 +412,8 @@ class LLMRunner:
             sample_rows=rows_t,
             batch=batch,
             lora=lora_rows(lora_t, row_slots) if row_slots else None,
+            scored=scored,
+            picks=torch.tensor(picks, dtype=torch.long) if scored else None,
         )
 
     def _to_device(self, *parts: list[int]) -> tuple[torch.Tensor, ...]:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-from trae_groups.engine import chat
+from trae_groups.engine import chat, forks, prompt_logprobs
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.constraints import Grammars, fill_masks
 from trae_groups.engine.deadlines import rank
@@ -117,6 +117,8 @@ class LLMWorker(Worker):
         vocab = self.model.config.get_text_config().vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
             raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        if any(not 0 <= token < vocab for token, _ in params.logit_bias):
+            raise RequestError("logit_bias", f"token ids must be integers in [0, {vocab})")
         if len(tokens) >= self.max_model_len:
             raise RequestError(
                 "prompt",
@@ -155,6 +157,8 @@ class LLMWorker(Worker):
         )
         if params.constraint is not None:  # compiled here, on the submitting thread
             seq.matcher = self.grammars().matcher(params.constraint)
+        if params.num_sequences > 1:
+            forks.make_children(seq, lambda: self.grammars().matcher(params.constraint))
         with self._lock:
             if request_id in self._live:
                 raise RequestError("request_id", f"{request_id!r} is already running")
@@ -284,6 +288,9 @@ class LLMWorker(Worker):
         try:
             inputs = self.runner.prepare(sched)
             logits = self.runner.run(inputs)
+            if inputs.scored:
+                prompt_logprobs.record(inputs.scored, logits)
+                logits = inputs.sampling_logits(logits)
             sampling = [item.seq for item in sched.scheduled if item.samples]
             result = self.sampler(
                 logits,
@@ -319,10 +326,11 @@ class LLMWorker(Worker):
         for seq in new:
             self.scheduler.add(seq)
         for request_id in aborts:
-            seq = self._live.get(request_id)
-            if seq is not None and not seq.finished:
-                self.scheduler.finish(seq, "abort")
-                self._emit(seq)
+            first = self._live.get(request_id)
+            for seq in forks.family(first) if first is not None else ():
+                if not seq.finished:
+                    self.scheduler.finish(seq, "abort")
+                    self._emit(seq)
 
     def _drop_expired(self) -> None:
         """Work past its deadline (``drop``) ends now as ``deadline``, pages freed."""
@@ -352,10 +360,17 @@ class LLMWorker(Worker):
         for item in sched.scheduled:
             item.seq.num_computed += item.num_new
             self.scheduler.publish_full_pages(item.seq)
+            if item.seq.unforked and item.samples:  # its prompt is computed: fork the rest
+                for child in forks.fork(item.seq, self.pool, self.kv.tokens_per_page):
+                    self.scheduler.add(child)
         for row, seq in enumerate(sampling):
+            if seq.params.scores_prompt_only:  # the prompt is scored: nothing to generate
+                self.scheduler.finish(seq, "length")
+                self._emit(seq)
+                continue
             token = result.token_ids[row]
             seq.output_token_ids.append(token)
-            if result.logprobs is not None:
+            if seq.params.logprobs is not None:
                 seq.logprobs.append(result.logprobs[row])
                 seq.top_logprobs.append(result.top_logprobs[row])
             self.counters.token(seq, now)
@@ -369,11 +384,16 @@ class LLMWorker(Worker):
         out = self.outputs.output(seq, error)
         if seq.finished:
             with self._lock:
-                self._live.pop(seq.request_id, None)
+                first = self._live.get(seq.request_id)
+                if first is not None and all(s.finished for s in forks.family(first)):
+                    del self._live[seq.request_id]  # every sequence of the request ended
         try:
             seq.sink(out)
         except Exception:  # a caller's callback must not take the engine down
             log.exception("output sink of %s failed", seq.request_id)
+        if seq.finished and seq.unforked:  # ended before its prompt was computed
+            for child in forks.end_unforked(seq):
+                self._emit(child, error)
 
     def _fail(self, seq: Sequence, message: str) -> None:
         self.scheduler.finish(seq, "error")

@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from trae_groups.engine.detokenizer import find_stop, update_text
+from trae_groups.engine.protocol import TokenLogprob
 from trae_groups.engine.sequence import RequestOutput, Sequence
 
 
@@ -35,6 +36,7 @@ class Outputs:
         self.tokenizer = tokenizer
         self.eos_ids = eos
         self.max_model_len = max_model_len
+        self._texts: dict[int, str] = {}  # each token's own text, as logprobs show it
 
     def finish_reason(self, seq: Sequence, token: int) -> str | None:
         """After ``token`` was appended: why the sequence ends here, or None."""
@@ -89,22 +91,65 @@ class Outputs:
                 "arrival": seq.arrival,
                 "first_token_time": seq.first_token_time,
             },
+            delta_logprobs=self._delta_logprobs(seq),
+            index=seq.index,
+            prompt_logprobs=self._prompt_logprobs(seq),
         )
         seq.sent_text_len = len(seq.text) if seq.finished else text_ready
         seq.sent_tokens = len(seq.output_token_ids)
         return out
 
+    def token_text(self, token: int) -> str:
+        """One token's own text (special tokens included; a token that is part of a
+        character shows U+FFFD), or "" without a tokenizer."""
+        text = self._texts.get(token)
+        if text is None:
+            tokenizer = self.tokenizer
+            text = "" if tokenizer is None else tokenizer.decode([token])
+            self._texts[token] = text
+        return text
+
+    def _entry(self, token: int, logprob: float | None, top: dict[int, float]) -> TokenLogprob:
+        alternatives = tuple((t, self.token_text(t), lp) for t, lp in top.items())
+        return TokenLogprob(token, self.token_text(token), logprob, alternatives)
+
+    def _delta_logprobs(self, seq: Sequence) -> list[TokenLogprob] | None:
+        if seq.params.logprobs is None:
+            return None
+        new = slice(seq.sent_tokens, len(seq.logprobs))
+        return [
+            self._entry(t, lp, top)
+            for t, lp, top in zip(
+                seq.output_token_ids[new], seq.logprobs[new], seq.top_logprobs[new], strict=True
+            )
+        ]
+
+    def _prompt_logprobs(self, seq: Sequence) -> list[TokenLogprob] | None:
+        """The prompt's scores, in the first output after they are complete."""
+        if seq.params.prompt_logprobs is None or seq.prompt_logprobs_sent:
+            return None
+        if not seq.prompt_scored:
+            return None
+        seq.prompt_logprobs_sent = True
+        first, *rest = seq.prompt_token_ids
+        scores = zip(rest, seq.prompt_logprobs, strict=True)
+        return [self._entry(first, None, {})] + [self._entry(t, lp, top) for t, (lp, top) in scores]
+
 
 class OutputStream:
-    """Async iterator over one request's outputs; closing it early aborts the request
-    (``abort(request_id)``: the engine's, or the one worker's that holds it)."""
+    """Async iterator over one request's outputs (of each of its ``sequences``: it ends
+    when all have finished); closing it early aborts the request (``abort(request_id)``:
+    the engine's, or the one worker's that holds it)."""
 
-    def __init__(self, abort: Callable[[str], None], loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self, abort: Callable[[str], None], loop: asyncio.AbstractEventLoop, sequences: int = 1
+    ):
         self._abort = abort
         self._loop = loop
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.request_id = ""
         self.finished = False
+        self._running = sequences
 
     def put(self, out: RequestOutput) -> None:  # engine thread
         self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
@@ -116,7 +161,8 @@ class OutputStream:
         try:
             while not self.finished:
                 out = await self._queue.get()
-                self.finished = out.finished
+                self._running -= out.finished
+                self.finished = self._running == 0
                 yield out
         finally:
             self.abort()

@@ -86,9 +86,23 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One token of a generation or of a scored prompt: its id and text, its logprob
+    (None for a prompt's first token, which nothing predicts), and the most likely
+    tokens at its position as (id, text, logprob), most likely first."""
+
+    token_id: int
+    text: str
+    logprob: float | None
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerationChunk:
     """What one generation produced since the previous chunk. ``completion_tokens``
-    counts every token so far; the last chunk has ``finished`` set."""
+    counts every token so far; the last chunk has ``finished`` set. ``logprobs``: one
+    per token of ``token_ids`` when the request asked (``SamplingParams.logprobs``);
+    ``prompt_logprobs``: every prompt token, once, when it asked for them."""
 
     request_id: str
     text: str
@@ -100,9 +114,15 @@ class GenerationChunk:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    index: int = 0  # which of the prompt's sequences (SamplingParams.n, best_of)
 
     def merge(self, later: GenerationChunk) -> GenerationChunk:
         """This chunk followed by ``later``, as one (for grouping across a boundary)."""
+        logprobs = self.logprobs
+        if later.logprobs is not None:
+            logprobs = (logprobs or ()) + later.logprobs
         return GenerationChunk(
             self.request_id,
             self.text + later.text,
@@ -113,6 +133,9 @@ class GenerationChunk:
             later.completion_tokens,
             later.cached_tokens or self.cached_tokens,
             later.error,
+            logprobs,
+            self.prompt_logprobs or later.prompt_logprobs,
+            later.index,
         )
 
 

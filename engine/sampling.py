@@ -64,6 +64,10 @@ BOUNDS: dict[str, Bound] = {
     "repetition_penalty": Bound(0.0, 10.0, low_inclusive=False),
     "seed": Bound(0, 2**63, high_inclusive=False, integer=True),
     "logprobs": Bound(0, 20, integer=True),
+    "prompt_logprobs": Bound(0, 20, integer=True),
+    "logit_bias": Bound(-100.0, 100.0),
+    "n": Bound(1, 32, integer=True),
+    "best_of": Bound(1, 32, integer=True),
 }
 
 #: What each option means, written once (docs, the OpenAPI schema and --help read it).
@@ -77,6 +81,10 @@ DESCRIPTIONS: dict[str, str] = {
     "seed": "a seed makes sampling reproducible whatever shares the batch",
     "stop": "strings that end the generation (not included in the text)",
     "logprobs": "also return this many top alternatives per token",
+    "prompt_logprobs": "score the prompt: each prompt token's logprob and this many alternatives",
+    "logit_bias": "added to a token's logit before sampling (-100 bans it, 100 all but forces it)",
+    "n": "completions of the prompt to return (they share the prompt's pages)",
+    "best_of": "completions to generate, of which the n most likely are returned (>= n)",
 }
 
 
@@ -96,6 +104,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # also return this many top alternatives per token
+    #: score the prompt too (its logits come from the prefill that runs anyway; a request
+    #: that asks computes its whole prompt: a cached prefix has no logits)
+    prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    n: int = 1  # sequences of one prompt that come back (choices 0 .. n-1)
+    best_of: int | None = None  # sequences generated (None: n); the caller keeps n of them
     skip_special_tokens: bool = True
     constraint: Constraint | None = None  # the output must match it (engine/constraints.py)
     extra: dict = field(default_factory=dict, compare=False)
@@ -105,15 +119,31 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
         self.validate()
 
     def validate(self) -> None:
         for name, bound in BOUNDS.items():
+            if name == "logit_bias":
+                continue
             value = getattr(self, name)
-            if value is None and name in ("seed", "logprobs"):
+            if value is None and name in _OPTIONAL:
+                continue
+            if name == "max_tokens" and value == 0 and self.scores_prompt_only:
                 continue
             if not bound.admits(value):
                 raise RequestError(name, f"{bound.describe()}, got {value!r}")
+        if self.best_of is not None and self.best_of < self.n:
+            raise RequestError("best_of", f"must be at least n ({self.n}), got {self.best_of}")
+        bias = BOUNDS["logit_bias"]
+        for token, value in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or not bias.admits(value):
+                raise RequestError(
+                    "logit_bias", f"token ids map to biases that {bias.describe()}, got "
+                    f"{token!r}: {value!r}"
+                )  # fmt: skip
         if not all(isinstance(s, str) and s for s in self.stop):
             raise RequestError("stop", f"must be non-empty strings, got {self.stop!r}")
 
@@ -121,12 +151,29 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def num_sequences(self) -> int:
+        """Sequences the engine generates for the prompt: ``best_of``, else ``n``."""
+        return self.best_of or self.n
+
+    @property
+    def scores_prompt_only(self) -> bool:
+        """``max_tokens`` 0 with ``prompt_logprobs``: the prompt is scored, nothing is
+        generated (OpenAI's ``echo`` with ``max_tokens: 0``)."""
+        return self.max_tokens == 0 and self.prompt_logprobs is not None
+
+
+_OPTIONAL = ("seed", "logprobs", "prompt_logprobs", "best_of")  # None: not asked for
+
 
 @dataclass
 class SampleResult:
+    """One token per row; ``logprobs``/``top_logprobs`` are None for rows that did not
+    ask (and None as a whole when no row did)."""
+
     token_ids: list[int]
-    logprobs: list[float] | None = None
-    top_logprobs: list[dict[int, float]] | None = None
+    logprobs: list[float | None] | None = None
+    top_logprobs: list[dict[int, float] | None] | None = None
 
 
 def apply_repetition_penalty(
@@ -167,6 +214,31 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return probs / probs.sum(-1, keepdim=True)
 
 
+def apply_logit_bias(logits: torch.Tensor, biases: list[tuple[tuple[int, float], ...]]) -> None:
+    """OpenAI's ``logit_bias``: each row's biases added to its logits, in place."""
+    for row, bias in enumerate(biases):
+        if bias:
+            ids = torch.tensor([token for token, _ in bias], device=logits.device)
+            values = torch.tensor([value for _, value in bias], dtype=logits.dtype)
+            logits[row, ids] += values.to(logits.device)
+
+
+def score_tokens(
+    logits: torch.Tensor, targets: list[int], top: int
+) -> list[tuple[float, dict[int, float]]]:
+    """Each row's log-probability of its target token and its ``top`` most likely tokens,
+    from the model's own distribution (no temperature, penalty or bias): what a prompt's
+    tokens score (``prompt_logprobs``)."""
+    logp = logits.float().log_softmax(-1)
+    index = torch.tensor(targets, device=logp.device)[:, None]
+    picked = logp.gather(1, index).squeeze(1).tolist()
+    if not top:
+        return [(value, {}) for value in picked]
+    vals, ids = logp.topk(top)
+    tops = [dict(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), vals.tolist(), strict=True)]
+    return list(zip(picked, tops, strict=True))
+
+
 class Sampler:
     """Samples one token per row. Seeded rows draw from their own generator, so a
     seeded request gives the same tokens whatever else shares its batch."""
@@ -183,15 +255,21 @@ class Sampler:
         masks: tuple[list[int], torch.Tensor] | None = None,
     ) -> SampleResult:
         """``masks``: the rows that have a constraint and their token bitmasks; the
-        other rows are sampled exactly as without them."""
+        other rows are sampled exactly as without them. Logprobs (rows that ask only) are
+        of the distribution sampled from: after repetition penalty, ``logit_bias`` and
+        temperature, before top-k/top-p/min-p and constraint masks."""
         logits = logits.float()
         raw = logits
         if any(p.repetition_penalty != 1.0 for p in params):
             logits = logits.clone()
             apply_repetition_penalty(logits, seen, [p.repetition_penalty for p in params])
+        if any(p.logit_bias for p in params):
+            logits = logits.clone() if logits is raw else logits
+            apply_logit_bias(logits, [p.logit_bias for p in params])
+        scored = logits
         if masks is not None:
             rows, bits = masks
-            logits = logits.clone() if logits is raw else logits
+            logits = logits.clone()
             constrained = logits[rows]
             apply_masks(constrained, bits)
             logits[rows] = constrained
@@ -208,12 +286,31 @@ class Sampler:
             picked = picked.clamp(max=probs.shape[-1] - 1)
             tokens[idx] = picked
         result = SampleResult(tokens.tolist())
-        if any(p.logprobs is not None for p in params):
-            logp = raw.log_softmax(-1)
-            result.logprobs = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
-            result.top_logprobs = []
-            for i, p in enumerate(params):
-                n = p.logprobs or 0
-                vals, ids = logp[i].topk(n) if n else (torch.empty(0), torch.empty(0))
-                result.top_logprobs.append(dict(zip(ids.tolist(), vals.tolist(), strict=True)))
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if asked:
+            _add_logprobs(result, scored, tokens, params, asked)
         return result
+
+
+def _add_logprobs(
+    result: SampleResult,
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    params: list[SamplingParams],
+    asked: list[int],
+) -> None:
+    """The chosen tokens' logprobs and top alternatives of the rows that ask (None for
+    the others), at each row's temperature (greedy rows: 1)."""
+    idx = torch.tensor(asked)
+    temps = torch.tensor([params[i].temperature or 1.0 for i in asked], dtype=logits.dtype)
+    logp = (logits[idx] / temps[:, None]).log_softmax(-1)
+    chosen = logp.gather(1, tokens[idx][:, None]).squeeze(1).tolist()
+    top = max(params[i].logprobs for i in asked)
+    vals, ids = logp.topk(top) if top else (torch.empty(len(asked), 0), torch.empty(len(asked), 0))
+    vals, ids = vals.tolist(), ids.long().tolist()
+    result.logprobs = [None] * len(params)
+    result.top_logprobs = [None] * len(params)
+    for j, i in enumerate(asked):
+        n = params[i].logprobs
+        result.logprobs[i] = chosen[j]
+        result.top_logprobs[i] = dict(zip(ids[j][:n], vals[j][:n], strict=True))

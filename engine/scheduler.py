@@ -273,8 +273,8 @@ class Scheduler:
         return (self.cache_key, parent, block)
 
     def _match_prefix(self, seq: Sequence) -> None:
-        if self.cache_key is None:
-            return
+        if self.cache_key is None or seq.params.prompt_logprobs is not None:
+            return  # a prompt that is scored needs every position's logits: no cached KV
         # at least the last token must be computed, to have logits to sample from
         full_blocks = (seq.num_tokens - 1) // self.page
         for index in range(full_blocks):

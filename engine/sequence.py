@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from trae_groups.engine.deadlines import Priority
+from trae_groups.engine.protocol import TokenLogprob
 from trae_groups.engine.sampling import SamplingParams
 
 
@@ -38,6 +39,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     metrics: dict = field(default_factory=dict)
+    delta_logprobs: list[TokenLogprob] | None = None  # of delta_token_ids, when asked
+    index: int = 0  # which of the prompt's sequences (SamplingParams.n) this is
+    prompt_logprobs: list[TokenLogprob] | None = None  # once, when asked and complete
 
 
 @dataclass(eq=False)  # identity: a request is itself, not its field values
@@ -64,6 +68,15 @@ class Sequence:
     stop_reason: str | None = None
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    #: (logprob, top alternatives) of prompt tokens 1, 2, ... as their positions are
+    #: computed (``params.prompt_logprobs``); a recomputation after preemption adds none
+    prompt_logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
+    index: int = 0  # which of the prompt's sequences (``params.n``/``best_of``) this is
+    #: the prompt's other sequences, forked from this one once its prompt is computed
+    #: (they share its full prompt pages); after the fork, ``forks`` keeps them all
+    unforked: list[Sequence] = field(default_factory=list)
+    forks: list[Sequence] = field(default_factory=list)
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None  # when a step first took it (queue time ends)
     first_token_time: float | None = None
@@ -88,6 +101,11 @@ class Sequence:
     @property
     def is_decode(self) -> bool:
         return self.num_uncomputed == 1 and bool(self.output_token_ids)
+
+    @property
+    def prompt_scored(self) -> bool:
+        """Every prompt token past the first has its logprob."""
+        return len(self.prompt_logprobs) == len(self.prompt_token_ids) - 1
 
     @property
     def finished(self) -> bool:

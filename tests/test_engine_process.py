@@ -141,6 +141,29 @@ def test_greedy_answers_are_the_same_as_in_one_process(split, local):
             assert ours.json()["outputs"]["tokens"] == 12
 
 
+def test_logprobs_echo_and_n_cross_the_split_as_in_one_process(split, local):
+    """Every chunk field crosses the wire: token and prompt logprobs, and each of a
+    prompt's ``n`` sequences (the stream ends when all have finished)."""
+    body = {"model": "support/dialog", "prompt": [[5, 17, 42], [7, 8, 9, 10]], "n": 2,
+            "max_tokens": 4, "echo": True, "logprobs": 2, "ignore_eos": True}  # fmt: skip
+
+    def answer(server, stream: bool) -> list[dict]:
+        reply = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": stream},
+                           timeout=120)  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        if not stream:
+            return reply.json()["choices"]
+        events = parse_sse(reply.text.rsplit("data: [DONE]", 1)[0])  # [DONE] is not JSON
+        return [data["choices"][0] for _, data in events if data.get("choices")]
+
+    for stream in (False, True):
+        ours, theirs = answer(split, stream), answer(local, stream)
+        assert [(c["index"], c["text"]) for c in ours] == [(c["index"], c["text"]) for c in theirs]
+        tokens = [c["logprobs"]["tokens"] for c in ours if c["logprobs"]]
+        assert tokens == [c["logprobs"]["tokens"] for c in theirs if c["logprobs"]]
+    assert sorted(c["index"] for c in answer(split, False)) == [0, 1, 2, 3]
+
+
 def test_greedy_token_ids_are_the_same_through_the_clients(root):
     """Below HTTP: the split's ModelClients against ModelRuntime's, token id by token id,
     and an encoder's result whole."""

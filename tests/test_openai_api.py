@@ -197,7 +197,7 @@ def test_content_parts_are_joined(client):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 33}, "n"),
         ({"temperature": 5}, "temperature"),
         ({"presence_penalty": 1.0}, "presence_penalty"),
         ({"stop": [""]}, "stop"),

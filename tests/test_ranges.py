@@ -26,8 +26,19 @@ from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 #: Out of range, each just past a limit a user might think is in.
 BAD = {"temperature": 150, "min_p": 1.0, "repetition_penalty": 20, "top_p": 0, "max_tokens": 0}
-#: BOUNDS entries no graph node or OpenAI request takes (OpenAI logprobs is refused).
-NOT_EXPOSED = {"logprobs"}
+MODELS = {"GenerateParams": GenerateParams, "ChatCompletionRequest": ChatCompletionRequest,
+          "CompletionRequest": CompletionRequest}  # fmt: skip
+#: The models that take a BOUNDS entry under its own name, where not all three do.
+#: ``logprobs``: chat's ``top_logprobs`` carries its bound, completions' ``logprobs`` is
+#: OpenAI's legacy 0..5; ``prompt_logprobs`` and ``logit_bias`` (a map) are no field.
+TAKEN_BY = {
+    "logprobs": (),
+    "prompt_logprobs": (),
+    "logit_bias": (),
+    "n": ("ChatCompletionRequest", "CompletionRequest"),
+    "best_of": ("CompletionRequest",),
+}
+NOT_EXPOSED = {name for name, models in TAKEN_BY.items() if not models}
 
 HEAD = """\
 name: g
@@ -92,9 +103,10 @@ def _edges(bound: Bound) -> list[float]:
 @pytest.mark.parametrize("name", sorted(set(BOUNDS) - NOT_EXPOSED))
 def test_spec_openai_and_engine_admit_the_same_values(name):
     bound = BOUNDS[name]
+    models = [MODELS[m] for m in TAKEN_BY.get(name, MODELS)]
     for value in _edges(bound):
         admitted = bound.admits(value)
-        for model in (GenerateParams, ChatCompletionRequest, CompletionRequest):
+        for model in models:
             body = {name: value} if model is GenerateParams else {"model": "m", name: value}
             if model is ChatCompletionRequest:
                 body["messages"] = [{"role": "user", "content": "hi"}]
@@ -141,10 +153,15 @@ SCHEMAS = {
 @pytest.mark.parametrize("name", sorted(BOUNDS))
 def test_every_bound_is_what_the_schemas_show(schema, name):
     properties = SCHEMAS[schema]["properties"]
-    if name in NOT_EXPOSED:
-        assert name not in properties or not _numeric_or_none(properties[name])
+    if schema not in TAKEN_BY.get(name, MODELS):
+        assert (
+            name not in properties or name == "logprobs" or not _numeric_or_none(properties[name])
+        )
         return
     shown = _numeric(properties[name])
+    if (schema, name) == ("CompletionRequest", "max_tokens"):
+        assert shown["minimum"] == 0  # 0 with echo scores the prompt only; else refused
+        shown = {**shown, "minimum": BOUNDS[name].low}
     assert {k: shown[k] for k in _limits(BOUNDS[name]) if k in shown} == _limits(BOUNDS[name])
     assert set(shown) & {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"} == (
         set(_limits(BOUNDS[name])) - {"type"}
@@ -163,6 +180,13 @@ def _numeric_or_none(schema: dict) -> bool:
 def test_openai_max_completion_tokens_has_the_max_tokens_bound():
     properties = SCHEMAS["ChatCompletionRequest"]["properties"]
     assert _numeric(properties["max_completion_tokens"]) == _numeric(properties["max_tokens"])
+
+
+def test_chat_top_logprobs_has_the_logprobs_bound():
+    shown = _numeric(SCHEMAS["ChatCompletionRequest"]["properties"]["top_logprobs"])
+    assert {k: v for k, v in shown.items() if k != "type"} == {
+        k: v for k, v in _limits(BOUNDS["logprobs"]).items() if k != "type"
+    }
 
 
 # ---------------------------------------------------------------- the OpenAI routes

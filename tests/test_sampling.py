@@ -3,7 +3,12 @@ import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from trae_groups.engine.errors import RequestError
-from trae_groups.engine.sampling import Sampler, SamplingParams, apply_repetition_penalty
+from trae_groups.engine.sampling import (
+    Sampler,
+    SamplingParams,
+    apply_repetition_penalty,
+    score_tokens,
+)
 
 
 def logits(rows=4, vocab=50, seed=0):
@@ -99,3 +104,43 @@ def test_out_of_range_values_name_the_field(field, value):
     with pytest.raises(RequestError) as err:
         SamplingParams(**{field: value})
     assert err.value.field == field
+
+
+def test_logprobs_are_of_the_distribution_sampled_from():
+    """After repetition penalty, logit_bias and temperature (OpenAI's definition)."""
+    lg = logits(rows=1)
+    params = SamplingParams(
+        temperature=0.5, repetition_penalty=1.3, logit_bias={7: 3.0}, logprobs=2, seed=1
+    )
+    res = Sampler()(lg, [params], [[1, 2]], [torch.Generator().manual_seed(1)])
+    want = lg.clone()
+    apply_repetition_penalty(want, [[1, 2]], [1.3])
+    want[0, 7] += 3.0
+    want = (want / 0.5).log_softmax(-1)[0]
+    assert res.logprobs[0] == pytest.approx(want[res.token_ids[0]].item(), abs=1e-5)
+    assert list(res.top_logprobs[0]) == want.topk(2).indices.tolist()
+
+
+def test_rows_that_do_not_ask_get_no_logprobs():
+    res = Sampler()(logits(rows=2), [SamplingParams(logprobs=1), SamplingParams()], [[], []],
+                    [None, None])  # fmt: skip
+    assert res.logprobs[1] is None and res.top_logprobs[1] is None
+    assert isinstance(res.logprobs[0], float) and len(res.top_logprobs[0]) == 1
+
+
+def test_logit_bias_bans_and_forces_tokens():
+    lg = logits(rows=1)
+    best = int(lg.argmax())
+    banned = Sampler()(lg, [SamplingParams(logit_bias={best: -100.0})], [[]], [None])
+    assert banned.token_ids[0] != best
+    forced = Sampler()(lg, [SamplingParams(logit_bias={11: 100.0}, temperature=1.0)], [[]], [None])
+    assert forced.token_ids == [11]
+
+
+def test_score_tokens_is_log_softmax_at_the_targets():
+    lg = logits(rows=3)
+    scores = score_tokens(lg, [4, 5, 6], top=2)
+    want = lg.log_softmax(-1)
+    for row, (value, top) in enumerate(scores):
+        assert value == pytest.approx(want[row, 4 + row].item(), abs=1e-6)
+        assert list(top) == want[row].topk(2).indices.tolist()

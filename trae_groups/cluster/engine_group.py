@@ -97,8 +97,9 @@ class EngineGroup:
         task = asyncio.ensure_future(pump())
         try:
             first = True
+            carry: Any = None  # taken from the queue, not merged: handled on the next turn
             while True:
-                item = await queue.get()
+                item, carry = (await queue.get() if carry is None else carry), None
                 deadline = time.monotonic() + (0 if first else self.chunk_interval_s)
                 first = False
                 while item is not _DONE and not isinstance(item, BaseException):
@@ -111,17 +112,15 @@ class EngineGroup:
                         more = await asyncio.wait_for(queue.get(), left)
                     except TimeoutError:
                         break
-                    if more is _DONE or isinstance(more, BaseException):
-                        queue.put_nowait(more)  # handled on the next turn
+                    if more is _DONE or isinstance(more, BaseException) or more.index != item.index:
+                        carry = more  # the end, or another of the prompt's sequences (n > 1)
                         break
                     item = item.merge(more)
                 if item is _DONE:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield item
-                if item.finished:
-                    return
+                yield item  # the stream ends at _DONE: after every sequence finished
         finally:
             task.cancel()
             with contextlib.suppress(BaseException):

@@ -53,13 +53,15 @@ class EngineClient:
         stream = self._runtime.open_stream(self._binding, self._key, request)
         self._live[request.request_id] = stream.sid
         finished = False
+        running = request.params.num_sequences  # each of them ends with a finished chunk
         try:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine process ended it (an error, or it died)
                     raise item
-                finished = item.finished
+                running -= item.finished
+                finished = running == 0
                 yield item
         finally:
             self._live.pop(request.request_id, None)

@@ -12,7 +12,9 @@ was killed) calls ``on_closed`` once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import operator
 import pickle
 import queue
 import socket
@@ -20,6 +22,8 @@ import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
+
+from trae_groups.engine.protocol import GenerationChunk
 
 log = logging.getLogger("trae_groups.engine_process")
 
@@ -136,7 +140,8 @@ def pack_error(exc: BaseException) -> BaseException:
 def chunk_fields(chunk: Any) -> tuple:
     """A GenerationChunk as a plain tuple (``GenerationChunk(*fields)`` makes it back):
     cheaper to pickle than the dataclass, and the chunks of a step are many."""
-    return (
-        chunk.request_id, chunk.text, chunk.token_ids, chunk.finished, chunk.finish_reason,
-        chunk.prompt_tokens, chunk.completion_tokens, chunk.cached_tokens, chunk.error,
-    )  # fmt: skip
+    return _CHUNK_FIELDS(chunk)
+
+
+#: Every field of GenerationChunk, in order: a field added there crosses too.
+_CHUNK_FIELDS = operator.attrgetter(*(f.name for f in dataclasses.fields(GenerationChunk)))

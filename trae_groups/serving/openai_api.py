@@ -19,9 +19,10 @@ What ``model`` names (GET /v1/models lists every id):
 
 Requests count against the named graph's in-flight limit. Completions take an LLM
 only, embeddings an ``embed`` model only. Structured outputs (``response_format``,
-``guided_*``, tools) are in trae_groups/serving/openai_structured.py. Unsupported options
-(``n`` > 1, penalties, logprobs, echo) are a 422 that names the field, never silently
-ignored; unknown fields are ignored, as OpenAI does.
+``guided_*``, tools) are in trae_groups/serving/openai_structured.py; the logprobs shapes
+in trae_groups/serving/openai_logprobs.py. Every field a request model declares is either
+honoured or, for values it cannot honour (``n`` > 1, penalties, ``suffix``), a 422 that
+names the field, never silently ignored; unknown fields are ignored, as OpenAI does.
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ import struct
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -51,9 +53,10 @@ from trae_groups.engine.protocol import (
     GenerationChunk,
     ModelClient,
     Pooling,
+    TokenLogprob,
     new_request_id,
 )
-from trae_groups.engine.sampling import SamplingParams
+from trae_groups.engine.sampling import BOUNDS, DESCRIPTIONS, SamplingParams
 from trae_groups.graphs.errors import first_error
 from trae_groups.graphs.executor import RunResult
 from trae_groups.graphs.spec import GenerateNode, GraphSpec
@@ -61,6 +64,7 @@ from trae_groups.graphs.types import sampling_field
 from trae_groups.serving.app_state import AppState, ServedGraph
 from trae_groups.serving.http_errors import HTTPError, bad_request, error_body, not_found
 from trae_groups.serving.http_io import Emit, header_deadline, read_json, sse, until_disconnect
+from trae_groups.serving.openai_logprobs import MAX_LEGACY_LOGPROBS, chat_content, legacy
 from trae_groups.serving.openai_structured import (
     Structured,
     ToolFields,
@@ -74,6 +78,12 @@ from trae_groups.serving.run_scope import CLIENT_GONE, RunScope
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+#: Prompts one /v1/completions request may carry (a list of texts or of token-id lists),
+#: and sequences it may generate (prompts x n, or x best_of).
+MAX_PROMPTS = 256
+Bias = Annotated[float, Field(**BOUNDS["logit_bias"].pydantic())]
 
 
 class TextPart(_Body):
@@ -121,28 +131,107 @@ class _Sampling(Structured):
     timeout: float | None = Field(
         None, gt=0, description="extension: seconds to the request's deadline (docs/serving.md)"
     )
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int = sampling_field("n")
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="with stream: true only")
     presence_penalty: float = Field(0.0, ge=0, le=0, description="not supported: 0 only")
     frequency_penalty: float = Field(0.0, ge=0, le=0, description="not supported: 0 only")
+    logit_bias: dict[str, Bias] | None = Field(
+        None, description=f"token id (a string) -> bias: {DESCRIPTIONS['logit_bias']}"
+    )
     user: str | None = None
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` with its keys as token ids (a key that is not one: 422)."""
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise HTTPError(
+                    422, f"logit_bias: keys are token ids, got {key!r}", field="logit_bias"
+                )
+            pairs.append((int(key), value))
+        return tuple(pairs)
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise HTTPError(
+                422, "stream_options: only with stream: true", field="stream_options"
+            )  # fmt: skip
+
 
 class ChatCompletionRequest(_Sampling, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = sampling_field("max_tokens", None)
-    logprobs: Literal[False] | None = Field(None, description="not supported")
+    logprobs: bool | None = Field(None, description="return each generated token's logprob")
+    top_logprobs: int | None = sampling_field("logprobs", None)
+
+    def token_logprobs(self) -> int | None:
+        """Alternatives per generated token (None: no logprobs asked for)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise HTTPError(
+                422, "top_logprobs: needs logprobs: true", field="top_logprobs"
+            )  # fmt: skip
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
-    echo: Literal[False] = Field(False, description="not supported")
-    logprobs: None = Field(None, description="not supported")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description=f"a text, token ids, or a list of up to {MAX_PROMPTS} of either"
+    )
+    max_tokens: int | None = Field(
+        None,
+        ge=0,
+        lt=BOUNDS["max_tokens"].high,
+        description=f"{DESCRIPTIONS['max_tokens']}; 0 (with echo) scores the prompt only",
+    )
+    echo: bool = Field(False, description="the prompt comes back before the completion")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LEGACY_LOGPROBS, description=DESCRIPTIONS["logprobs"]
+    )
     suffix: None = Field(None, description="not supported")
+    best_of: int | None = sampling_field("best_of", None)
+
+    def check_best_of(self) -> None:
+        """OpenAI's rules: at least n, and not streamed (the best are known at the end)."""
+        if self.best_of is not None and self.best_of < self.n:
+            raise HTTPError(422, f"best_of: must be at least n ({self.n})", field="best_of")
+        if self.stream and (self.best_of or self.n) > self.n:
+            raise HTTPError(422, "best_of: more than n cannot be streamed", field="best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a text or token ids; choices are indexed in their order."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not 1 <= len(prompts) <= MAX_PROMPTS:
+            raise HTTPError(422, f"prompt: 1 to {MAX_PROMPTS} prompts", field="prompt")
+        if len(prompts) * (self.best_of or self.n) > MAX_PROMPTS:
+            raise HTTPError(
+                422, f"prompt: prompts x {'best_of' if self.best_of else 'n'} is at most "
+                f"{MAX_PROMPTS} sequences", field="prompt",
+            )  # fmt: skip
+        return prompts
+
+    @model_validator(mode="after")
+    def _nothing_to_generate_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise _field_error("max_tokens", "0 only with echo (the prompt is scored)", 0)
+        return self
+
+    def prompt_logprobs(self, prompts: list[str | list[int]]) -> int | None:
+        """Alternatives per prompt token when the prompt is scored: echo with logprobs,
+        echo of token ids (their text comes from the scores) or echo with max_tokens 0."""
+        if not self.echo:
+            return None
+        if self.logprobs is not None:
+            return self.logprobs
+        scored = self.max_tokens == 0 or not isinstance(prompts[0], str)
+        return 0 if scored else None
 
 
 class EmbeddingRequest(_Body):
@@ -162,6 +251,14 @@ class EmbeddingRequest(_Body):
 
 
 MAX_EMBEDDING_INPUTS = 2048
+
+
+def _field_error(name: str, message: str, value: Any) -> ValidationError:
+    """A validation error of one field, raised by a check across fields."""
+    error = InitErrorDetails(
+        type=PydanticCustomError("value_error", message), loc=(name,), input=value
+    )
+    return ValidationError.from_exception_data("request", [error])
 
 
 def _parse(model: type[BaseModel], body: Any) -> Any:
@@ -304,19 +401,25 @@ async def chat_completions(request: Request) -> Response:
             raise HTTPError(422, f"{source}: give tools or {source}, not both", field=source)
         constraint = tool_call_constraint(forced)
     _for_an_llm(target, "chat", constraint is not None or bool(body.tools))
+    body.check_stream_options()
+    logprobs = body.token_logprobs()
     due = (body.timeout, header_deadline(request))
     if target.model is None:
+        _for_a_graph(target, body, logprobs=logprobs is not None)
         start = _GraphCall.factory(target, messages, body.user, due)
     else:
         max_tokens = body.max_completion_tokens or body.max_tokens
-        params = _params(body, target, max_tokens, constraint)
+        params = _params(body, target, max_tokens, constraint, logprobs=logprobs)
         tools = body.shown()
         start = _LLMCall.factory(
             target, params, messages=messages, user=body.user, tools=tools, due=due,
             field="tools" if forced else source,
         )  # fmt: skip
     calls = forced or (body.tools if body.tool_choice != "none" else None)
-    return await _respond(request, state, target, body, start, chat=True, tools=calls)
+    shows = logprobs is not None
+    return await _respond(
+        request, state, target, body, start, chat=True, tools=calls, logprobs=shows
+    )
 
 
 async def completions(request: Request) -> Response:
@@ -327,15 +430,21 @@ async def completions(request: Request) -> Response:
         raise HTTPError(422, f"'{target.id}' is a graph: use /v1/chat/completions", field="model")
     constraint, source = body.constraint()
     _for_an_llm(target, "completions", False)
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise HTTPError(422, "prompt: one prompt per request", field="prompt")
-        prompt = prompt[0]
-    params = _params(body, target, body.max_tokens, constraint)
+    body.check_stream_options()
+    body.check_best_of()
+    prompts = body.prompts()
+    ranked = (body.best_of or body.n) > body.n  # best_of ranks by logprob: it needs them
+    params = _params(
+        body, target, body.max_tokens, constraint,
+        logprobs=body.logprobs if body.logprobs is not None or not ranked else 0,
+        prompt_logprobs=body.prompt_logprobs(prompts), best_of=body.best_of,
+    )  # fmt: skip
     due = (body.timeout, header_deadline(request))
-    start = _LLMCall.factory(target, params, prompt=prompt, user=body.user, due=due, field=source)
-    return await _respond(request, state, target, body, start, chat=False)
+    start = _LLMCall.factory(
+        target, params, prompts=prompts, user=body.user, due=due, field=source, echo=body.echo
+    )
+    shows = body.logprobs is not None
+    return await _respond(request, state, target, body, start, chat=False, logprobs=shows)
 
 
 async def embeddings(request: Request) -> Response:
@@ -400,15 +509,36 @@ def _for_an_llm(target: Target, route: str, structured: bool) -> None:
         )
 
 
+def _for_a_graph(target: Target, body: _Sampling, logprobs: bool) -> None:
+    """A chat graph's node samples as the graph says: the fields that would change what
+    comes back per token cannot apply to it."""
+    fields = (("logprobs", logprobs), ("logit_bias", body.logit_bias), ("n", body.n > 1))
+    asked = [name for name, given in fields if given]
+    if asked:
+        raise HTTPError(
+            422,
+            f"{asked[0]}: '{target.id}' is a graph: its node's parameters apply; "
+            f"{asked[0]} applies to an LLM (graph/model)",
+            field=asked[0],
+        )
+
+
 def _params(
-    body: _Sampling, target: Target, max_tokens: int | None, constraint: Constraint | None = None
+    body: _Sampling,
+    target: Target,
+    max_tokens: int | None,
+    constraint: Constraint | None = None,
+    *,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    best_of: int | None = None,
 ) -> SamplingParams:
     """Checked now, before admission (RequestError is a 422). No max_tokens: the
     engine's default, or the model's ``max_tokens_limit`` when that is lower."""
     default = SamplingParams.__dataclass_fields__["max_tokens"].default
     limit = target.served.spec.models[target.model].max_tokens_limit or default
     return SamplingParams(
-        max_tokens=max_tokens or min(default, limit),
+        max_tokens=max_tokens if max_tokens is not None else min(default, limit),
         temperature=body.temperature,
         top_k=body.top_k,
         top_p=body.top_p,
@@ -418,6 +548,11 @@ def _params(
         stop=body.stops(),
         ignore_eos=body.ignore_eos,
         constraint=constraint,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        logit_bias=body.bias(),
+        n=body.n,
+        best_of=best_of,
     )
 
 
@@ -426,19 +561,27 @@ def _params(
 
 @dataclass
 class _Piece:
-    """What a call hands on as it goes: text deltas, then the end."""
+    """What a call hands on as it goes: text deltas (and their tokens' logprobs when
+    asked), then the end; ``index`` is the choice it belongs to."""
 
     text: str = ""
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt: bool = False  # the prompt itself (echo)
 
 
 OnPiece = Callable[[_Piece], Awaitable[None]]
 
 
 class _LLMCall:
-    """A prompt (or chat messages) on one LLM, its chunks turned into pieces."""
+    """Prompts (or chat messages) on one LLM, each ``n`` generations (forked from one
+    prefill by the engine), their chunks turned into pieces: choice ``p * n + i`` is
+    prompt ``p``'s ``i``-th, as OpenAI indexes them. All prompts are submitted at once
+    (they batch together); their pieces are handed on one prompt after the other. With
+    ``best_of`` > n, the n of highest cumulative logprob are kept, most likely first."""
 
     result: RunResult | None = None  # a model call has no graph run
 
@@ -446,17 +589,23 @@ class _LLMCall:
         self,
         target: Target,
         client: ModelClient,
-        request: GenerateRequest,
+        requests: list[GenerateRequest],
         field: str | None = None,
+        echo: bool = False,
     ):
         self.target, self.client = target, client
         self.field = field  # the body's field that asked for the constraint, if any
-        self.request_id = request.request_id
+        self.echo = echo  # each choice's text starts with its prompt
+        self.request_id = requests[0].request_id.partition("/")[0]  # the response's id
+        self.requests = requests
+        self.streams = []
         try:
-            self.stream = client.generate(request)  # a RequestError here is a 422
+            for request in requests:
+                self.streams.append(client.generate(request))  # a RequestError here is a 422
         except RequestError as exc:
+            self.close()
             raise self._named(exc) from None
-        self._first: GenerationChunk | None = None
+        self._first: list[GenerationChunk | None] = [None] * len(requests)
 
     @classmethod
     def factory(
@@ -464,12 +613,13 @@ class _LLMCall:
         target: Target,
         params: SamplingParams,
         *,
-        prompt=None,
+        prompts=None,
         messages=None,
         user=None,
         tools=None,
         due: tuple[float | None, float | None] = (None, None),
         field: str | None = None,
+        echo: bool = False,
     ):
         """Submits when called with the request's run scope, on the executor it was
         admitted on. ``due``: the body's ``timeout`` and the X-Request-Deadline header's
@@ -480,26 +630,38 @@ class _LLMCall:
             model = run.executor.models[target.model]
             client = model.clients[target.version] if target.version else _version(model, user)
             drop = target.served.spec.on_deadline == "drop"
-            request = GenerateRequest(
-                new_request_id("cmpl"),
-                params,
-                prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
-                messages=tuple(messages) if messages is not None else None,
-                priority=Priority(deadline=tightest(*due, drop=drop)),
-                session=user,
-                tools=tuple(tools) if tools else None,
-                adapter=target.adapter,
-            )
-            return cls(target, client, request, field)
+            request_id = new_request_id("cmpl")
+            each = [None] if prompts is None else prompts
+            requests = [
+                GenerateRequest(
+                    request_id if len(each) == 1 else f"{request_id}/{i}",
+                    params,
+                    prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
+                    messages=tuple(messages) if messages is not None else None,
+                    priority=Priority(deadline=tightest(*due, drop=drop)),
+                    session=user,
+                    tools=tuple(tools) if tools else None,
+                    adapter=target.adapter,
+                )
+                for i, prompt in enumerate(each)
+            ]
+            return cls(target, client, requests, field, echo)
 
         return start
 
     async def open(self) -> None:
-        """Wait for the first chunk, so an error before any output keeps its status."""
-        try:
-            self._first = await anext(self.stream, None)
-        except RequestError as exc:
-            raise self._named(exc) from None
+        """Wait for each first chunk, so an error before any output keeps its status. All
+        at once: a client that submits at the first step (the engine process's) then has
+        every prompt in the engine together."""
+        firsts = await asyncio.gather(
+            *(anext(stream, None) for stream in self.streams), return_exceptions=True
+        )
+        for first in firsts:
+            if isinstance(first, RequestError):
+                raise self._named(first)
+            if isinstance(first, BaseException):
+                raise first
+        self._first = list(firsts)
 
     def _named(self, exc: RequestError) -> Exception:
         """The engine's ``constraint`` is the body's field that asked for it."""
@@ -508,11 +670,30 @@ class _LLMCall:
         return HTTPError(422, f"{self.field}: {exc.message}", field=self.field)
 
     def close(self) -> None:
-        self.client.abort(self.request_id)  # a no-op once the generation finished
+        for request in self.requests:
+            self.client.abort(request.request_id)  # a no-op once the generation finished
 
     async def run(self, on_piece: OnPiece) -> None:
-        chunk = self._first
+        params = self.requests[0].params
+        for index, stream in enumerate(self.streams):
+            if params.num_sequences == params.n:
+                await self._run_one(index, stream, on_piece)
+                continue
+            pieces: list[_Piece] = []
+            await self._run_one(index, stream, _keep(pieces))
+            for piece in _best(pieces, params.n, index * params.n):
+                await on_piece(piece)
+
+    async def _run_one(self, index: int, stream, on_piece: OnPiece) -> None:
+        """Prompt ``index``'s sequences, their pieces numbered as choices."""
+        n = self.requests[0].params.n
+        chunk = self._first[index]
+        started: set[int] = set()
         while chunk is not None:
+            choice = index * n + chunk.index
+            if self.echo and chunk.index not in started:
+                await on_piece(self._prompt_piece(index, choice, chunk))
+            started.add(chunk.index)
             if chunk.error:
                 raise HTTPError(500, f"generation failed: {chunk.error}", type="GenerationFailed")
             if chunk.finished and chunk.finish_reason == "abort":
@@ -525,9 +706,44 @@ class _LLMCall:
                     chunk.finish_reason,
                     chunk.prompt_tokens,
                     chunk.completion_tokens,
+                    choice,
+                    chunk.logprobs,
                 )
             )
-            chunk = await anext(self.stream, None)
+            chunk = await anext(stream, None)
+
+    def _prompt_piece(self, index: int, choice: int, first: GenerationChunk) -> _Piece:
+        """``echo``: the prompt as text (token ids: their texts, from the prompt's
+        scores) and, when scored, its tokens' logprobs."""
+        prompt, scores = self.requests[index].prompt, first.prompt_logprobs
+        text = prompt if isinstance(prompt, str) else "".join(e.text for e in scores or ())
+        return _Piece(text, index=choice, logprobs=scores, prompt=True)
+
+
+def _keep(pieces: list[_Piece]) -> OnPiece:
+    async def keep(piece: _Piece) -> None:
+        pieces.append(piece)
+
+    return keep
+
+
+def _best(pieces: list[_Piece], n: int, first: int) -> list[_Piece]:
+    """Of one prompt's choices, the ``n`` whose generated tokens have the highest summed
+    logprob, renumbered ``first``, ``first + 1``, ... from the most likely."""
+    by_choice: dict[int, list[_Piece]] = {}
+    for piece in pieces:
+        by_choice.setdefault(piece.index, []).append(piece)
+
+    def score(choice: int) -> float:
+        generated = [p for p in by_choice[choice] if not p.prompt]
+        return sum(e.logprob for e in _entries(generated) if e.logprob is not None)
+
+    kept = sorted(by_choice, key=score, reverse=True)[:n]
+    return [
+        dataclasses.replace(p, index=first + rank)
+        for rank, c in enumerate(kept)
+        for p in by_choice[c]
+    ]
 
 
 class _GraphCall:
@@ -606,15 +822,19 @@ def _scope(state: AppState, target: Target, endpoint: str) -> RunScope:
 
 
 async def _respond(
-    request: Request, state: AppState, target, body, start, *, chat: bool, tools=None
-):
+    request: Request, state: AppState, target, body, start, *, chat: bool, tools=None,
+    logprobs: bool = False,
+):  # fmt: skip
     """Admit, start the call, and answer: one JSON object, or SSE chunks then [DONE]."""
     async with _scope(state, target, "chat" if chat else "completions") as run:
         limit = _Limit(state.config.openai_timeout_s)
         call = start(run)
         run.closing(call.close)
         await limit.within(call.open)
-        shape = _Shape(call.request_id, target.id, int(time.time()), chat, tuple(tools or ()))
+        shape = _Shape(
+            call.request_id, target.id, int(time.time()), chat, tuple(tools or ()), logprobs,
+            body.n,
+        )  # fmt: skip
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return run.stream(_stream(run, call, shape, usage, limit))
@@ -657,32 +877,39 @@ async def _collect(call) -> list[_Piece]:
 
 def _stream(run: RunScope, call, shape: _Shape, include_usage: bool, limit: _Limit):
     async def produce(emit: Emit) -> None:
-        last = _Piece()
-        held: list[str] = []  # with tools, the reply is held until it is known to be a call
+        last: dict[int, _Piece] = {}  # each choice's latest piece
+        held: dict[int, list[_Piece]] = {}  # with tools, a reply is held until known
+        offsets: dict[int, int] = {}  # completions: where each choice's next token starts
 
         async def send(piece: _Piece) -> None:
-            nonlocal last
-            if piece.text and shape.tools:
-                held.append(piece.text)
-            elif piece.text:
-                await emit(sse(None, shape.chunk(piece.text)))
-            last = piece
+            last[piece.index] = piece
+            if (piece.text or piece.logprobs) and shape.tools:
+                held.setdefault(piece.index, []).append(piece)
+            elif piece.text or (piece.logprobs and shape.logprobs):
+                await emit(sse(None, shape.chunk(piece.text, None, piece, offsets)))
 
         try:
             if shape.chat:
                 await emit(sse(None, shape.chunk({"role": "assistant", "content": ""})))
             await limit.within(lambda: call.run(send))
-            finish = last.finish_reason or "stop"
-            calls = tool_calls("".join(held), list(shape.tools))
-            if calls:
-                deltas = [{"index": i, **c} for i, c in enumerate(calls)]
-                await emit(sse(None, shape.chunk({"tool_calls": deltas})))
-                finish = "tool_calls"
-            elif held:
-                await emit(sse(None, shape.chunk("".join(held))))
-            await emit(sse(None, shape.chunk(None, finish)))
+            for index in sorted(last) or [0]:
+                finish = last.get(index, _Piece()).finish_reason or "stop"
+                pieces = held.get(index, [])
+                calls = tool_calls("".join(p.text for p in pieces), list(shape.tools))
+                at = _Piece(index=index)
+                if calls:
+                    deltas = [{"index": i, **c} for i, c in enumerate(calls)]
+                    await emit(sse(None, shape.chunk({"tool_calls": deltas}, None, at)))
+                    finish = "tool_calls"
+                elif pieces:
+                    whole = _Piece(
+                        "".join(p.text for p in pieces), index=index, logprobs=_entries(pieces)
+                    )
+                    await emit(sse(None, shape.chunk(whole.text, None, whole, offsets)))
+                await emit(sse(None, shape.chunk(None, finish, at)))
             if include_usage:
-                await emit(sse(None, {**shape.chunk(None), "choices": [], "usage": _usage(last)}))
+                usage = _usage(last.values(), shape.n)
+                await emit(sse(None, {**shape.chunk(None), "choices": [], "usage": usage}))
             run.succeeded(call.result)
         except Exception as exc:
             run.failed(exc)
@@ -692,11 +919,20 @@ def _stream(run: RunScope, call, shape: _Shape, include_usage: bool, limit: _Lim
     return produce
 
 
-def _usage(last: _Piece) -> dict:
+def _entries(pieces: list[_Piece]) -> tuple[TokenLogprob, ...]:
+    return tuple(e for p in pieces for e in p.logprobs or ())
+
+
+def _usage(last: Any, n: int = 1) -> dict:
+    """Usage over each choice's last piece; a prompt counts once, not once a choice
+    (``n``: choices per prompt)."""
+    last = list(last)
+    prompt = sum(p.prompt_tokens for p in last if p.index % n == 0)
+    completion = sum(p.completion_tokens for p in last)
     return {
-        "prompt_tokens": last.prompt_tokens,
-        "completion_tokens": last.completion_tokens,
-        "total_tokens": last.prompt_tokens + last.completion_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
 
 
@@ -709,11 +945,30 @@ class _Shape:
     created: int
     chat: bool
     tools: tuple = ()  # a reply that is one call of these is returned as tool_calls
+    logprobs: bool = False  # the request asked for logprobs: choices carry them
+    n: int = 1  # choices per prompt
 
     def whole(self, pieces: list[_Piece]) -> dict:
+        by_index: dict[int, list[_Piece]] = {}
+        for piece in pieces:
+            by_index.setdefault(piece.index, []).append(piece)
+        choices = [self._choice(i, got) for i, got in sorted(by_index.items())]
+        if not choices:
+            choices = [self._choice(0, [])]
+        last = [got[-1] for got in by_index.values()]
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": _usage(last, self.n),
+        }
+
+    def _choice(self, index: int, pieces: list[_Piece]) -> dict:
         text = "".join(p.text for p in pieces)
         last = pieces[-1] if pieces else _Piece(finish_reason="stop")
-        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason or "stop"}
+        choice: dict[str, Any] = {"index": index, "finish_reason": last.finish_reason or "stop"}
         calls = tool_calls(text, list(self.tools))
         if calls:
             choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
@@ -722,24 +977,38 @@ class _Shape:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        choice["logprobs"] = None
-        return {
-            "id": self.id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": _usage(last),
-        }
+        choice["logprobs"] = self._logprobs(_entries(pieces), {})
+        return choice
 
-    def chunk(self, delta: dict | str | None, finish_reason: str | None = None) -> dict:
+    def _logprobs(self, entries, offsets: dict[int, int], index: int = 0) -> dict | None:
+        """A choice's (or one chunk's) ``logprobs``; None when the request did not ask.
+        ``offsets``: where each choice's next token starts in its text (completions)."""
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return {"content": chat_content(entries), "refusal": None}
+        shape, offsets[index] = legacy(entries, offsets.get(index, 0))
+        return shape
+
+    def chunk(
+        self,
+        delta: dict | str | None,
+        finish_reason: str | None = None,
+        piece: _Piece | None = None,
+        offsets: dict[int, int] | None = None,
+    ) -> dict:
+        """One streamed chunk of ``piece``'s choice; its logprobs when there are some."""
+        index = piece.index if piece is not None else 0
         if self.chat:
             content = {"content": delta} if isinstance(delta, str) else (delta or {})
-            choice: dict[str, Any] = {"index": 0, "delta": content}
+            choice: dict[str, Any] = {"index": index, "delta": content}
         else:
-            choice = {"index": 0, "text": delta if isinstance(delta, str) else ""}
+            choice = {"index": index, "text": delta if isinstance(delta, str) else ""}
         choice["finish_reason"] = finish_reason
-        choice["logprobs"] = None
+        entries = piece.logprobs if piece is not None else None
+        choice["logprobs"] = (
+            self._logprobs(entries, offsets, index) if entries and offsets is not None else None
+        )
         return {
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
