@@ -351,9 +351,11 @@ class GraphSpec(Spec):
 
     def input_model(self) -> type[BaseModel]:
         """A pydantic model of a request body's inputs (the server answers 422 with it)."""
-        fields = {
+        fields = {  # null is a value only of an input whose default is null
             name: (
-                spec.annotation | None if spec.optional else spec.annotation,
+                spec.annotation | None
+                if spec.optional and spec.default is None
+                else spec.annotation,
                 spec.default if spec.optional else ...,
             )
             for name, spec in self.inputs.items()
