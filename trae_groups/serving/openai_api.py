@@ -1,6 +1,6 @@
 """OpenAI-compatible endpoints, so stock clients work: ``POST /v1/chat/completions``,
-``POST /v1/completions`` (streamed or not), ``POST /v1/embeddings`` and
-``GET /v1/models``.
+``POST /v1/completions`` (streamed or not), ``POST /v1/embeddings``, ``GET /v1/models``
+and ``GET /v1/models/{id}``.
 
 What ``model`` names (GET /v1/models lists every id):
 
@@ -8,7 +8,8 @@ What ``model`` names (GET /v1/models lists every id):
    ``messages`` (every other input optional) and exactly one output that reads a
    generate node's ``text`` (``reply.text``). The request's messages become that
    input; only that output is computed; its tokens stream as they are generated.
-   The graph's own node parameters apply (sampling fields of the request do not).
+   The graph's own node parameters apply (sampling fields of the request do not; its
+   ``max_tokens`` may lower the node's own).
 2. An **LLM or embedding model of a served graph** as ``graph/model`` (the graph's
    name for the model).
 3. The **bare model name**, when it reaches one model across every served graph and
@@ -61,12 +62,7 @@ from trae_groups.graphs.types import sampling_field
 from trae_groups.serving.app_state import AppState, ServedGraph
 from trae_groups.serving.http_errors import HTTPError, bad_request, error_body, not_found
 from trae_groups.serving.http_io import Emit, header_deadline, read_json, sse, until_disconnect
-from trae_groups.serving.openai_structured import (
-    Structured,
-    ToolFields,
-    tool_call_constraint,
-    tool_calls,
-)
+from trae_groups.serving.openai_structured import Structured, ToolFields, ToolReading, chat_tools
 from trae_groups.serving.run_scope import CLIENT_GONE, RunScope
 
 # ---------------------------------------------------------------- request bodies
@@ -276,47 +272,61 @@ def resolve(state: AppState, name: str) -> Target:
 # ---------------------------------------------------------------- endpoints
 
 
+def _card(state: AppState, target: Target) -> dict:
+    """One model id as OpenAI's model object (with what it is here under ``trae``)."""
+    return {
+        "id": target.id,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "trae-groups",
+        "trae": {"graph": target.served.name, "kind": target.kind},
+        **({"parent": target.parent} if target.parent else {}),
+    }
+
+
 async def list_models(request: Request) -> Response:
     state: AppState = request.app.state.trae
-    data = [
-        {
-            "id": target.id,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "trae-groups",
-            "trae": {"graph": target.served.name, "kind": target.kind},
-            **({"parent": target.parent} if target.parent else {}),
-        }
-        for target in targets(state.graphs).values()
-    ]
+    data = [_card(state, target) for target in targets(state.graphs).values()]
     return JSONResponse({"object": "list", "data": data})
+
+
+async def get_model(request: Request) -> Response:
+    """``GET /v1/models/{id}``: one id of the list; 404 naming it otherwise."""
+    state: AppState = request.app.state.trae
+    name = request.path_params["model"]
+    found = targets(state.graphs).get(name)
+    if found is None:
+        raise not_found(f"unknown model '{name}'; GET /v1/models lists them", field="model")
+    return JSONResponse(_card(state, found))
 
 
 async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.trae
     body = _parse(ChatCompletionRequest, await read_json(request, state.config.max_body_bytes))
+    target, start, reading = chat_call(request, state, body)
+    return await _respond(request, state, target, body, start, chat=True, tools=reading)
+
+
+def chat_call(
+    request: Request, state: AppState, body: ChatCompletionRequest
+) -> tuple[Target, Callable[[RunScope], Any], ToolReading | None]:
+    """A checked chat request's target, the call that starts it on its run scope, and
+    how its reply is read for tool calls (/v1/chat/completions and /v1/responses)."""
     target = resolve(state, body.model)
     messages = [m.as_message() for m in body.messages]
     constraint, source = body.constraint()
-    forced = body.forced()
-    if forced:
-        if constraint is not None:
-            raise HTTPError(422, f"{source}: give tools or {source}, not both", field=source)
-        constraint = tool_call_constraint(forced)
     _for_an_llm(target, "chat", constraint is not None or bool(body.tools))
+    constraint, source, reading = chat_tools(body, target, state.config, constraint, source)
     due = (body.timeout, header_deadline(request))
+    max_tokens = body.max_completion_tokens or body.max_tokens
     if target.model is None:
-        start = _GraphCall.factory(target, messages, body.user, due)
-    else:
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        params = _params(body, target, max_tokens, constraint)
-        tools = body.shown()
-        start = _LLMCall.factory(
-            target, params, messages=messages, user=body.user, tools=tools, due=due,
-            field="tools" if forced else source,
-        )  # fmt: skip
-    calls = forced or (body.tools if body.tool_choice != "none" else None)
-    return await _respond(request, state, target, body, start, chat=True, tools=calls)
+        return target, _GraphCall.factory(target, messages, body.user, due, max_tokens), None
+    params = _params(body, target, max_tokens, constraint)
+    start = _LLMCall.factory(
+        target, params, messages=messages, user=body.user, tools=body.shown(), due=due,
+        field=source,
+    )  # fmt: skip
+    return target, start, reading
 
 
 async def completions(request: Request) -> Response:
@@ -481,7 +491,7 @@ class _LLMCall:
             client = model.clients[target.version] if target.version else _version(model, user)
             drop = target.served.spec.on_deadline == "drop"
             request = GenerateRequest(
-                new_request_id("cmpl"),
+                new_request_id("cmpl" if messages is None else "chatcmpl"),
                 params,
                 prompt=tuple(prompt) if isinstance(prompt, list) else prompt,
                 messages=tuple(messages) if messages is not None else None,
@@ -540,6 +550,7 @@ class _GraphCall:
         messages: list[dict],
         user=None,
         due: tuple[float | None, float | None] = (None, None),
+        max_tokens: int | None = None,
     ):
         self.target, self.executor = target, run.executor
         self.prepared = run.prepare(
@@ -549,6 +560,7 @@ class _GraphCall:
             session=user,
             timeout=due[0],
             deadline=due[1],
+            max_tokens={target.node: max_tokens} if max_tokens else None,
         )  # an InputError here is a 422; past the deadline estimate, 503
         self.request_id = self.prepared.request_id
         self.result: RunResult | None = None  # the graph run's, once it ends
@@ -560,8 +572,9 @@ class _GraphCall:
         messages: list[dict],
         user: str | None = None,
         due: tuple[float | None, float | None] = (None, None),
+        max_tokens: int | None = None,
     ):
-        return lambda run: cls(target, run, messages, user, due)
+        return lambda run: cls(target, run, messages, user, due, max_tokens)
 
     async def open(self) -> None:
         pass  # graph errors come as the run's own events
@@ -614,7 +627,7 @@ async def _respond(
         call = start(run)
         run.closing(call.close)
         await limit.within(call.open)
-        shape = _Shape(call.request_id, target.id, int(time.time()), chat, tuple(tools or ()))
+        shape = _Shape(call.request_id, target.id, int(time.time()), chat, tools)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return run.stream(_stream(run, call, shape, usage, limit))
@@ -658,12 +671,13 @@ async def _collect(call) -> list[_Piece]:
 def _stream(run: RunScope, call, shape: _Shape, include_usage: bool, limit: _Limit):
     async def produce(emit: Emit) -> None:
         last = _Piece()
-        held: list[str] = []  # with tools, the reply is held until it is known to be a call
+        tools = shape.tools.streaming() if shape.tools else None  # text, or call deltas
 
         async def send(piece: _Piece) -> None:
             nonlocal last
-            if piece.text and shape.tools:
-                held.append(piece.text)
+            if piece.text and tools:
+                for delta in tools.feed(piece.text):
+                    await emit(sse(None, shape.chunk(delta)))
             elif piece.text:
                 await emit(sse(None, shape.chunk(piece.text)))
             last = piece
@@ -673,13 +687,10 @@ def _stream(run: RunScope, call, shape: _Shape, include_usage: bool, limit: _Lim
                 await emit(sse(None, shape.chunk({"role": "assistant", "content": ""})))
             await limit.within(lambda: call.run(send))
             finish = last.finish_reason or "stop"
-            calls = tool_calls("".join(held), list(shape.tools))
-            if calls:
-                deltas = [{"index": i, **c} for i, c in enumerate(calls)]
-                await emit(sse(None, shape.chunk({"tool_calls": deltas})))
-                finish = "tool_calls"
-            elif held:
-                await emit(sse(None, shape.chunk("".join(held))))
+            if tools:
+                deltas, finish = tools.end(finish)
+                for delta in deltas:
+                    await emit(sse(None, shape.chunk(delta)))
             await emit(sse(None, shape.chunk(None, finish)))
             if include_usage:
                 await emit(sse(None, {**shape.chunk(None), "choices": [], "usage": _usage(last)}))
@@ -708,16 +719,16 @@ class _Shape:
     model: str
     created: int
     chat: bool
-    tools: tuple = ()  # a reply that is one call of these is returned as tool_calls
+    tools: ToolReading | None = None  # how a chat reply is read for tool calls
 
     def whole(self, pieces: list[_Piece]) -> dict:
         text = "".join(p.text for p in pieces)
         last = pieces[-1] if pieces else _Piece(finish_reason="stop")
         choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason or "stop"}
-        calls = tool_calls(text, list(self.tools))
-        if calls:
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-            choice["finish_reason"] = "tool_calls"
+        if self.tools is not None:
+            choice["message"], choice["finish_reason"] = self.tools.message(
+                text, choice["finish_reason"]
+            )
         elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -755,6 +766,7 @@ class _Shape:
 def routes() -> list[Route]:
     return [
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
