@@ -1,6 +1,7 @@
 """OpenAI-compatible endpoints, so stock clients work: ``POST /v1/chat/completions``,
 ``POST /v1/completions`` (streamed or not), ``POST /v1/embeddings``, ``GET /v1/models``
-and ``GET /v1/models/{id}``.
+and ``GET /v1/models/{id}``; ``/v1/responses`` (openai_responses.py) and ``/tokenize``,
+``/detokenize`` (openai_tokenize.py) build on this module.
 
 What ``model`` names (GET /v1/models lists every id):
 
@@ -764,7 +765,11 @@ class _Shape:
 
 
 def routes() -> list[Route]:
+    from trae_groups.serving import openai_responses, openai_tokenize  # they build on this one
+
     return [
+        *openai_tokenize.routes(),
+        *openai_responses.routes(),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
