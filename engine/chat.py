@@ -41,10 +41,15 @@ def encode(tokenizer: Any, text: str, *, specials: bool = True) -> list[int]:
         backend.encode_special_tokens = False
 
 
-def render(tokenizer: Any, messages: Sequence[dict], tools: list[dict] | None = None) -> str:
+def render(
+    tokenizer: Any,
+    messages: Sequence[dict],
+    tools: list[dict] | None = None,
+    generation_prompt: bool = True,
+) -> str:
     """The prompt text of chat messages (and function tools, for templates that show
     them): the tokenizer's chat template, or a plain transcript the model can continue
-    when it has none."""
+    when it has none. ``generation_prompt``: end with the opening of the assistant's turn."""
     template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
     if tools and "tools" not in str(template or ""):
         raise RequestError(
@@ -54,14 +59,17 @@ def render(tokenizer: Any, messages: Sequence[dict], tools: list[dict] | None = 
         )
     if not template:
         lines = [f"{m['role']}: {m['content']}" for m in messages]
-        return "\n".join(lines) + "\nassistant:"
+        return "\n".join(lines) + ("\nassistant:" if generation_prompt else "")
     return tokenizer.apply_chat_template(
-        list(messages), tools=tools, tokenize=False, add_generation_prompt=True
+        list(messages), tools=tools, tokenize=False, add_generation_prompt=generation_prompt
     )
 
 
 def chat_token_ids(
-    tokenizer: Any, messages: Sequence[dict], tools: list[dict] | None = None
+    tokenizer: Any,
+    messages: Sequence[dict],
+    tools: list[dict] | None = None,
+    generation_prompt: bool = True,
 ) -> list[int]:
     """The prompt's token ids for these messages (see the module docstring)."""
     if not messages:
@@ -71,16 +79,17 @@ def chat_token_ids(
         if any(s in m["role"] for s in specials):
             raise RequestError(f"messages.{i}.role", "holds a special token's text")
     if not any(s in m["content"] for m in messages for s in specials):
-        return encode(tokenizer, render(tokenizer, messages, tools))
+        return encode(tokenizer, render(tokenizer, messages, tools, generation_prompt))
     marks = [_MARK.format(i) for i in range(len(messages))]
     masked = [{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)]
-    text = render(tokenizer, masked, tools)
+    text = render(tokenizer, masked, tools, generation_prompt)
     ids: list[int] = []
     for mark, message in zip(marks, messages, strict=True):
         before, found, text = text.partition(mark)
         if not found:  # the template rewrote a content: drop the special texts instead
             log.warning("chat template does not keep contents verbatim; special tokens dropped")
-            return encode(tokenizer, render(tokenizer, _without(messages, specials), tools))
+            plain = _without(messages, specials)
+            return encode(tokenizer, render(tokenizer, plain, tools, generation_prompt))
         ids += encode(tokenizer, before) + encode(tokenizer, message["content"], specials=False)
     return ids + encode(tokenizer, text)
 
@@ -144,3 +153,27 @@ def _without(messages: Sequence[dict], specials: Sequence[str]) -> list[dict]:
             content = content.replace(s, "")
         out.append({**m, "content": content})
     return out
+
+
+#: How a model family writes tool calls (parsed in trae_groups/serving/tool_parsers.py);
+#: ``json``: one ``{"name", "arguments"}`` object, for a model of no known family.
+TOOL_CALL_FORMATS = ("hermes", "llama3", "mistral", "json")
+_FORMAT_MARKS = (
+    ("<tool_call>", "hermes"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("<|python_tag|>", "llama3"),
+)
+
+
+def tool_call_format(tokenizer: Any) -> str:
+    """The tool-call syntax a model was trained on, read from its chat template and its
+    added tokens (Qwen's ``<tool_call>``, Mistral's ``[TOOL_CALLS]``, Llama 3's
+    ``<|python_tag|>`` or its template's ``"parameters"`` calls); ``json`` otherwise."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    added = {str(t) for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()}
+    for mark, fmt in _FORMAT_MARKS:
+        if mark in template or mark in added:
+            return fmt
+    if '"parameters"' in template and "ipython" in template:
+        return "llama3"
+    return "json"

@@ -158,6 +158,72 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def vocabulary(tokenizer: Any, vocab_size: int, eos_ids: set[int]) -> Any:
+    """llguidance's view of a tokenizer: read from the tokenizer's own description when
+    llguidance knows its kind, else built from the bytes the engine decodes for each token
+    (a WordLevel tokenizer with a ``Fuse`` decoder, say). RequestError when neither works:
+    the model cannot be constrained."""
+    import llguidance
+    import llguidance.hf
+
+    eos = sorted(eos_ids) or None
+    try:
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+    except (ValueError, TypeError, AttributeError):
+        pass  # a decoder or model kind llguidance does not read: decode the tokens instead
+    try:
+        table = _DecodedVocabulary(tokenizer, vocab_size, eos_ids)
+        return llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(table), n_vocab=vocab_size, eos_token=eos
+        )
+    except Exception as exc:  # llguidance raises plain exceptions for a table it refuses
+        raise RequestError(
+            "constraint", f"this model's tokenizer cannot be constrained: {exc}"
+        ) from None
+
+
+class _DecodedVocabulary:
+    """A tokenizer as llguidance's ``TokenizerWrapper`` reads it: each token's bytes as
+    the tokenizer decodes that token alone (ids past the tokenizer's own are empty, never
+    allowed), and an encoder for the text a grammar forces."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: set[int]):
+        self._tokenizer = tokenizer
+        known = len(tokenizer)
+        self.tokens = [
+            tokenizer.decode([i]).encode("utf-8") if i < known else b"" for i in range(vocab_size)
+        ]
+        self.special_token_ids = sorted(
+            i for i in getattr(tokenizer, "all_special_ids", ()) if i < vocab_size
+        )
+        self.eos_token_id = min(eos_ids) if eos_ids else tokenizer.eos_token_id
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        self._ids = {
+            b: i for i, b in enumerate(self.tokens) if b and i not in self.special_token_ids
+        }
+        self._longest = max((len(b) for b in self._ids), default=1)
+
+    def __call__(self, text: bytes) -> list[int]:
+        """The tokenizer's own ids when they decode back to ``text``; else the longest
+        tokens of the table that spell it (a word-level tokenizer maps unknown words to
+        one id that spells nothing)."""
+        string = text.decode("utf-8", errors="replace")
+        ids = self._tokenizer.encode(string, add_special_tokens=False)
+        if self._tokenizer.decode(ids).encode("utf-8") == text:
+            return ids
+        out, at = [], 0
+        while at < len(text):
+            for size in range(min(self._longest, len(text) - at), 0, -1):
+                token = self._ids.get(text[at : at + size])
+                if token is not None:
+                    out.append(token)
+                    at += size
+                    break
+            else:
+                at += 1  # no token spells this byte: the grammar cannot force it
+        return out
+
+
 class Grammars:
     """Matchers for one tokenizer: its llguidance tokenizer (built once, ~1 s for a
     large vocabulary) and a cache of compiled matchers to copy from, bounded in bytes."""
@@ -170,12 +236,9 @@ class Grammars:
         max_bytes: int = DEFAULT_MAX_CONSTRAINT_BYTES,
         cache_limit: int = DEFAULT_CONSTRAINT_CACHE_BYTES,
     ):
-        import llguidance.hf
-
         self.vocab_size = vocab_size
         self.max_bytes, self.cache_limit = max_bytes, cache_limit
-        eos = sorted(eos_ids) or None
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self._tokenizer = vocabulary(tokenizer, vocab_size, eos_ids)
         self._compiled: OrderedDict[Constraint, tuple[Any, int]] = OrderedDict()
         self._lock = threading.Lock()
         self.cache_bytes = 0  # measured bytes of the cached matchers

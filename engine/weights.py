@@ -53,6 +53,12 @@ _SAMPLE = 4096
 # what a folder with a tokenizer holds: tokenizers' JSON, sentencepiece, BPE or WordPiece
 _TOKENIZER_FILES = ("tokenizer*", "*.model", "vocab.*", "merges.txt")
 
+
+def has_tokenizer(folder: Path) -> bool:
+    """Whether a model folder holds a tokenizer (a benchmark's random-init LLM may not)."""
+    return any(any(Path(folder).glob(p)) for p in _TOKENIZER_FILES)
+
+
 TASKS = tuple(_TASKS)  # what a folder can be loaded for (engine/tasks.py)
 
 
@@ -242,7 +248,7 @@ class WeightStore:
     def _tokenizer(self, path: Path, task: str) -> Any:
         """The folder's tokenizer. An LLM folder with none (a benchmark's random-init
         model, say) loads without one and takes token-id prompts only."""
-        if generates(task) and not any(any(path.glob(p)) for p in _TOKENIZER_FILES):
+        if generates(task) and not has_tokenizer(path):
             log.info("%s has no tokenizer: its prompts must be token ids", path)
             return None
         if str(path) not in self._tokenizers:

@@ -114,6 +114,8 @@ class Prepared:
     session: str | None = None  # keeps a user's requests on one engine replica
     deadline: Deadline | None = None
     traceparent: str | None = None  # the caller's W3C trace context (graphs/tracing.py)
+    #: generate node -> the most tokens this request lets it write (below its own max_tokens)
+    max_tokens: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def limit(self) -> float | None:
@@ -214,9 +216,11 @@ class GraphExecutor:
         session: str | None = None,
         deadline: float | None = None,
         traceparent: str | None = None,
+        max_tokens: Mapping[str, int] | None = None,
     ) -> Prepared:
         """Check a request (InputError names the field) and mint its id. ``deadline``
-        (epoch seconds, e.g. a header's) tightens the time limit."""
+        (epoch seconds, e.g. a header's) tightens the time limit; ``max_tokens`` lowers
+        generate nodes' own (node -> tokens)."""
         spec = self.graph.spec
         unknown = [o for o in outputs or [] if o not in spec.outputs]
         if unknown:
@@ -238,7 +242,8 @@ class GraphExecutor:
             limit,
             session,
             tightest(limit, deadline, drop=spec.on_deadline == "drop"),
-            traceparent,
+            traceparent=traceparent,
+            max_tokens=dict(max_tokens or {}),
         )
 
     # -- the request path ------------------------------------------------------------
@@ -393,6 +398,7 @@ class GraphExecutor:
             client=request.clients[model] if model is not None else None,
             function=self.functions.get(name),
             emit=request.event,
+            max_tokens=request.prepared.max_tokens.get(name),
             **extra,
         )
 

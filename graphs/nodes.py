@@ -13,6 +13,7 @@ new model task) its head in the engine.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 from collections.abc import Awaitable, Callable, Mapping
@@ -158,6 +159,7 @@ class NodeCall:
     #: Where a followed generate node's new text goes (with its token count) instead of
     #: straight to the client as token events: the nodes that follow it (graphs/streams.py).
     on_text: Callable[[str, int], None] | None = None
+    max_tokens: int | None = None  # the request's cap on a generate node's own max_tokens
 
     @property
     def work_id(self) -> str:
@@ -414,9 +416,12 @@ def generate_request(
         text = {"prompt": str(prompt), "inlined": getattr(prompt, "inlined", None) or None}
     else:
         text = {"messages": tuple(payload["messages"])}
+    params = node.sampling()
+    if call.max_tokens is not None and call.max_tokens < params.max_tokens:
+        params = dataclasses.replace(params, max_tokens=call.max_tokens)
     return GenerateRequest(
         request_id,
-        node.sampling(),
+        params,
         priority=call.priority,
         session=session,
         adapter=node.adapter,

@@ -19,11 +19,12 @@ from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.errors import ModelLoadError
 from trae_groups.engine.host import ModelHost, ModelLoad, SharingPolicy
 from trae_groups.engine.protocol import EngineStats, ModelClient
+from trae_groups.engine.weights import has_tokenizer
 from trae_groups.graphs.compile import CompiledGraph, compile_graph, resolve_functions
 from trae_groups.graphs.executor import GraphExecutor
 from trae_groups.graphs.resources import apply as apply_resources
 from trae_groups.graphs.routing import RouteError, VersionedModel, check_split
-from trae_groups.graphs.spec import GraphSpec
+from trae_groups.graphs.spec import GenerateNode, GraphSpec
 
 if TYPE_CHECKING:
     from trae_groups.engine.hardware import Hardware
@@ -83,6 +84,22 @@ def model_load(spec: GraphSpec, name: str, version: str, folder: Path | None = N
         max_lora_rank=model.max_lora_rank,
         adapters=adapters,
     )
+
+
+def check_constrainable(spec: GraphSpec) -> None:
+    """A generate node's ``output_schema`` is enforced through its model's tokenizer: a
+    model folder with none cannot be constrained, so the graph fails to load, naming it."""
+    for name, node in spec.nodes.items():
+        if not isinstance(node, GenerateNode) or node.output_schema is None:
+            continue
+        for version in spec.models[node.model].sources:
+            folder = spec.model_path(node.model, version)
+            if folder.is_dir() and not has_tokenizer(folder):
+                raise ModelLoadError(
+                    str(folder),
+                    f"model {node.model!r} has no tokenizer, so node {name!r}'s "
+                    "output_schema cannot be constrained",
+                )
 
 
 def versioned_models(
@@ -220,6 +237,7 @@ class ModelRuntime:
         """An executor for the graph, its models loaded (once) onto this runtime."""
         graph = spec if isinstance(spec, CompiledGraph) else compile_graph(spec)
         functions = resolve_functions(graph.spec)
+        check_constrainable(graph.spec)
         clients = self.load_models(graph.spec)
         models = versioned_models(graph.spec, clients)
         executor = GraphExecutor(graph, models, functions)

@@ -25,6 +25,7 @@ from pydantic import (
 )
 from typing_extensions import TypedDict  # pydantic needs it before Python 3.12
 
+from trae_groups.engine.chat import TOOL_CALL_FORMATS
 from trae_groups.engine.config import QUANTIZATIONS
 from trae_groups.graphs.deploy import DeploySpec
 from trae_groups.graphs.errors import SourceMap
@@ -58,6 +59,7 @@ from trae_groups.graphs.types import (
 
 Task = Literal[TASKS]  # type: ignore[valid-type]  (the model tasks the node kinds run on)
 Quantization = Literal[("auto", "none", *QUANTIZATIONS)]  # type: ignore[valid-type]
+ToolCallFormat = Literal[TOOL_CALL_FORMATS]  # type: ignore[valid-type]
 InputType = Literal["str", "int", "float", "bool", "list[str]", "messages"]
 
 __all__ = [
@@ -113,6 +115,9 @@ class ModelSpec(Spec):
     # generate models with adapters: resident at once, and the highest rank (engine defaults)
     max_loras: int | None = Field(None, gt=0)
     max_lora_rank: int | None = Field(None, gt=0)
+    # generate models: how replies write tool calls on the OpenAI routes; None: read from
+    # the chat template (engine/chat.py tool_call_format)
+    tool_call_parser: ToolCallFormat | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -135,7 +140,13 @@ class ModelSpec(Spec):
         self._check_adapters()
         limits = [
             f
-            for f in ("max_prompt_tokens", "max_tokens_limit", "max_loras", "max_lora_rank")
+            for f in (
+                "max_prompt_tokens",
+                "max_tokens_limit",
+                "max_loras",
+                "max_lora_rank",
+                "tool_call_parser",
+            )
             if getattr(self, f)
         ]
         if limits and self.task != "generate":
@@ -356,9 +367,11 @@ class GraphSpec(Spec):
 
     def input_model(self) -> type[BaseModel]:
         """A pydantic model of a request body's inputs (the server answers 422 with it)."""
-        fields = {
+        fields = {  # null is a value only of an input whose default is null
             name: (
-                spec.annotation | None if spec.optional else spec.annotation,
+                spec.annotation | None
+                if spec.optional and spec.default is None
+                else spec.annotation,
                 spec.default if spec.optional else ...,
             )
             for name, spec in self.inputs.items()

@@ -49,6 +49,27 @@ def build_tokenizer(folder: Path, vocab_size: int = 400):
     return fast
 
 
+def build_word_tokenizer(folder: Path):
+    """A word-level tokenizer whose decoder is ``Fuse`` (tokens joined as they are): one
+    llguidance cannot read from its own description. Its vocabulary is every printable
+    ASCII character and the corpus's words, so any JSON can still be spelled."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted({w for line in CORPUS for w in line.split() if w.isascii()})
+    vocab = ["<pad>", "<s>", "</s>", "<unk>", *string.printable[:95], *words]
+    vocab = list(dict.fromkeys(vocab))
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>", unk_token="<unk>")  # fmt: skip
+    fast.save_pretrained(folder)
+    return fast
+
+
 LLM_FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
@@ -57,11 +78,15 @@ LLM_FAMILIES = {
 }
 
 
-def build_llm(folder: Path, family: str = "llama", seed: int = 0, **overrides) -> Path:
+def build_llm(
+    folder: Path, family: str = "llama", seed: int = 0, tokenizer=build_tokenizer, **overrides
+) -> Path:
+    """A tiny random LLM of ``family`` saved to ``folder``, with the tokenizer that
+    ``tokenizer(folder)`` builds and saves there."""
     import transformers
 
     config_name, model_name, extra = LLM_FAMILIES[family]
-    tokenizer = build_tokenizer(folder)
+    tokenizer = tokenizer(folder)
     kwargs = dict(
         vocab_size=512,
         hidden_size=64,

@@ -19,6 +19,7 @@ from trae_groups.cli import main
         ("--grace", "nan", "finite number of seconds"),
         ("--grace", "inf", "finite number of seconds"),
         ("--grace", "-1", "finite number of seconds"),
+        ("--tool-call-parser", "xml", "one of hermes, llama3, mistral, json"),
     ],
 )
 def test_bad_ports_and_graces_are_usage_errors(tmp_path, capsys, flag, value, says):
@@ -59,3 +60,14 @@ def test_admin_commands_against_a_server_that_is_down_say_so_in_one_line(capsys,
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot reach {url}: ConnectError")
+
+
+def test_the_tool_call_parser_flag_reaches_the_server_config():
+    from trae_groups.cli import build_parser
+    from trae_groups.serving.server import ServerConfig
+
+    args = build_parser().parse_args(["serve", "g.yaml", "--tool-call-parser", "llama3"])
+    assert args.tool_call_parser == "llama3"
+    assert build_parser().parse_args(["serve", "g.yaml"]).tool_call_parser is None
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ServerConfig(tool_call_parser="xml")

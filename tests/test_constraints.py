@@ -107,3 +107,27 @@ def test_32_concurrent_requests_with_different_schemas_beside_unconstrained_ones
         assert isinstance(value, int) and 0 <= value <= schema["properties"][field]["maximum"]
     alone = engine.generate(prompts[16:], plain)
     assert [o.token_ids for o in outs[16:]] == [o.token_ids for o in alone]
+
+
+def test_a_word_level_tokenizer_with_a_fuse_decoder_gets_a_vocabulary(tmp_path):
+    import llguidance.hf
+
+    from conftest import build_word_tokenizer
+    from trae_groups.engine.constraints import Grammars, fill_masks
+
+    tokenizer = build_word_tokenizer(tmp_path)
+    with pytest.raises(ValueError, match="decoder type"):  # why the fallback exists
+        llguidance.hf.from_tokenizer(tokenizer, n_vocab=512)
+    grammars = Grammars(tokenizer, 512, {tokenizer.eos_token_id})
+    matcher = grammars.matcher(Constraint.json_schema(SCHEMA))
+    written: list[int] = []
+    for _ in range(60):  # bounded: the schema's longest text is far shorter
+        mask = fill_masks([matcher], grammars.words())[0]
+        allowed = [t for t in range(512) if (int(mask[t // 32]) >> (t % 32)) & 1]
+        token = max(allowed)  # any allowed token keeps the text inside the schema
+        if token == tokenizer.eos_token_id:
+            break
+        assert matcher.consume_token(token)
+        written.append(token)
+    data = json.loads(tokenizer.decode(written))
+    assert set(data) == {"order_id", "urgent"} and isinstance(data["urgent"], bool)

@@ -245,3 +245,51 @@ def test_leaving_a_stream_early_aborts_and_frees_pages(client, server, target):
     wait_until(lambda: engine.pool.stats().used_pages == 0, "pages back in the pool")
     assert worker.counters.generated - generated < 900
     assert server.state.graphs[target if target == "saga" else "alt"].inflight == 0
+
+
+# ---------------------------------------------------------------- one model, ids, usage
+
+
+def test_one_model_by_its_id_and_an_unknown_one_is_404_naming_it(client, server):
+    listed = {m.id: m for m in client.models.list().data}
+    for name in ("chat/dialog", "writer", "chat"):
+        one = client.models.retrieve(name)
+        assert one.id == name and one.object == "model"
+        assert one.model_extra["trae"] == listed[name].model_extra["trae"]
+    missing = httpx.get(f"{server.url}/v1/models/gpt-9", timeout=30)
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert error["param"] == "model" and "gpt-9" in error["message"]
+
+
+def test_chat_ids_are_chatcmpl_and_completion_ids_cmpl(client):
+    for model in ("writer", "chat"):
+        reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
+        assert reply.id.startswith("chatcmpl-"), reply.id
+        chunks = list(client.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=2, stream=True))  # fmt: skip
+        assert all(c.id.startswith("chatcmpl-") for c in chunks)
+    assert client.completions.create(model="writer", prompt="hi", max_tokens=2).id.startswith(
+        "cmpl-"
+    )
+
+
+def test_a_chat_graph_takes_max_tokens_below_its_node_s_own(client):
+    for asked, written in ((3, 3), (1, 1), (50, 7)):  # the node's max_tokens is 7
+        reply = client.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=asked)
+        assert reply.usage.completion_tokens == written
+        assert reply.choices[0].finish_reason == "length"
+    streamed = list(client.chat.completions.create(
+        model="chat", messages=MESSAGES, max_completion_tokens=2, stream=True,
+        stream_options={"include_usage": True}))  # fmt: skip
+    assert streamed[-1].usage.completion_tokens == 2
+
+
+def test_a_chat_graph_reports_its_prompt_s_true_token_count(client, server):
+    reply = client.chat.completions.create(model="chat", messages=MESSAGES, max_tokens=1)
+    # the node's prompt is the messages through its model's template: what /tokenize counts
+    counted = httpx.post(f"{server.url}/tokenize", json={"model": "chat/dialog",
+                         "messages": MESSAGES}, timeout=30).json()  # fmt: skip
+    assert reply.usage.prompt_tokens == counted["count"] > 0
+    direct = client.chat.completions.create(model="chat/dialog", messages=MESSAGES, max_tokens=1)
+    assert direct.usage.prompt_tokens == reply.usage.prompt_tokens

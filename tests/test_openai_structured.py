@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from conftest import build_encoder, build_llm
+from conftest import build_encoder, build_llm, build_word_tokenizer
 from trae_groups.engine import EngineConfig
 from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
@@ -47,6 +47,18 @@ SCHEMA = {
     "required": ["order_id", "status"],
     "additionalProperties": False,
 }
+# a model whose tokenizer llguidance cannot read itself, and one with no tokenizer at all
+WORDS = """
+name: words
+models:
+  llm: {{source: {root}/words, task: generate}}
+  bare: {{source: {root}/bare, task: generate}}
+inputs: {{text: str}}
+nodes:
+  a: {{model: llm, prompt: "{{{{ inputs.text }}}}", params: {{max_tokens: 2}}}}
+  b: {{model: bare, prompt: "{{{{ inputs.text }}}}", params: {{max_tokens: 2}}}}
+outputs: {{a: a.text, b: b.text}}
+"""
 USER = [{"role": "user", "content": "where is order 1234?"}]
 TOOLS = [
     {"type": "function", "function": {"name": "track", "parameters": {
@@ -65,13 +77,19 @@ def root(tmp_path_factory) -> Path:
     build_encoder(root / "emb", "embed", [], seed=5)
     (root / "shop.yaml").write_text(GRAPH.format(root=root))
     (root / "chatty.yaml").write_text(CHAT.format(root=root))
+    build_llm(root / "words", "llama", tokenizer=build_word_tokenizer)
+    (root / "bare").mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (root / "bare" / name).write_bytes((root / "llama" / name).read_bytes())
+    (root / "words.yaml").write_text(WORDS.format(root=root))
     return root
 
 
 @pytest.fixture(scope="module")
 def server(root):
     config = ServerConfig(engine=EngineConfig(pool_bytes=16 << 20))
-    with ServerThread(create_app([root / "shop.yaml", root / "chatty.yaml"], config)) as running:
+    graphs = [root / "shop.yaml", root / "chatty.yaml", root / "words.yaml"]
+    with ServerThread(create_app(graphs, config)) as running:
         yield running
 
 
@@ -127,10 +145,11 @@ def test_forced_tool_call_comes_back_as_tool_calls(client):
         stream=True,
     )  # fmt: skip
     chunks = list(stream)
-    calls = [
-        c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls
-    ]
-    assert len(calls) == 1 and calls[0][0].function.name in ("track", "refund")
+    pieces = [p for c in chunks if c.choices for p in c.choices[0].delta.tool_calls or []]
+    # one delta names the call, the others carry pieces of its arguments
+    assert pieces[0].id and pieces[0].function.name in ("track", "refund")
+    assert all(p.index == 0 and not p.id for p in pieces[1:])
+    json.loads("".join(p.function.arguments or "" for p in pieces))
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -230,3 +249,22 @@ def test_a_dropped_stream_is_counted_as_499(server):
             break
         time.sleep(0.02)
     assert dropped() == before + 1
+
+
+def test_structured_output_on_a_tokenizer_llguidance_cannot_read(client):
+    answer = client.chat.completions.create(
+        model="words/llm", messages=USER, max_tokens=200,
+        response_format={"type": "json_schema", "json_schema": {"name": "o", "schema": SCHEMA}},
+    )  # fmt: skip
+    data = json.loads(answer.choices[0].message.content)
+    assert isinstance(data["order_id"], int) and data["status"] in ("late", "lost")
+
+
+def test_a_model_that_cannot_be_constrained_is_422_naming_response_format(server):
+    body = {"model": "words/bare", "prompt": [5, 17, 42], "max_tokens": 4,
+            "response_format": {"type": "json_object"}}  # fmt: skip
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert answer.status_code == 422, answer.text
+    assert answer.json()["error"]["param"] == "response_format"
+    del body["response_format"]
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200

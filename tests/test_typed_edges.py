@@ -8,8 +8,9 @@ import asyncio
 import pytest
 from pydantic import BaseModel, Field
 
-from conftest import build_llm
+from conftest import build_llm, build_word_tokenizer
 from trae_groups.engine import EngineConfig
+from trae_groups.engine.errors import ModelLoadError
 from trae_groups.graphs.errors import GraphValidationError, NodeError
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.runtime import ModelRuntime
@@ -48,8 +49,9 @@ def root(tmp_path_factory):
     return root
 
 
-def spec_for(root, field="order_id", max_tokens=40):
-    return load_graph_text(GRAPH.format(root=root, field=field, max_tokens=max_tokens), "o.yaml")
+def spec_for(root, field="order_id", max_tokens=40, model="llm"):
+    text = GRAPH.format(root=root, field=field, max_tokens=max_tokens)
+    return load_graph_text(text.replace(f"{root}/llm", f"{root}/{model}"), "o.yaml")
 
 
 def run(spec, text):
@@ -153,3 +155,26 @@ def test_the_demo_extraction_example_loads():
     spec = load_graph_text(example.read_text(), str(example))
     assert set(spec.nodes["order"].output_schema["properties"]) == {"order_id", "product"}
     assert spec.outputs["order_id"] == "order.json.order_id"
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_constrained_from_its_decoded_tokens(root):
+    # WordLevel with a Fuse decoder: llguidance's own reader raises "can't determine
+    # decoder type"; the vocabulary comes from the bytes each token decodes to instead
+    build_llm(root / "words", "llama", tokenizer=build_word_tokenizer)
+    result = run(spec_for(root, model="words", max_tokens=60), "where is order 12?")
+    assert isinstance(result.outputs["order"], int) and result.outputs["status"] in ("late", "lost")
+
+
+def test_a_model_without_a_tokenizer_cannot_take_an_output_schema(root, tmp_path):
+    bare = root / "bare"
+    bare.mkdir(exist_ok=True)
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        (bare / name).write_bytes((root / "llm" / name).read_bytes())
+    spec = spec_for(root, model="bare")
+    runtime = ModelRuntime.for_specs([spec], EngineConfig(pool_bytes=8 << 20, fast_linear=False))
+    try:
+        with pytest.raises(ModelLoadError) as err:
+            runtime.bind(spec)
+    finally:
+        runtime.shutdown()
+    assert "model 'llm' has no tokenizer" in str(err.value) and "'extract'" in str(err.value)

@@ -44,6 +44,14 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _tool_call_format(text: str) -> str:
+    from trae_groups.engine.chat import TOOL_CALL_FORMATS
+
+    if text not in TOOL_CALL_FORMATS:
+        raise argparse.ArgumentTypeError(f"one of {', '.join(TOOL_CALL_FORMATS)}, not {text!r}")
+    return text
+
+
 def _port(text: str) -> int:
     """A TCP port, 0-65535 (0: any free one), checked before anything loads."""
     try:
@@ -532,6 +540,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             keep_alive_s=args.keep_alive,
             max_connections=args.max_connections or None,
             openai_timeout_s=args.openai_timeout,
+            tool_call_parser=args.tool_call_parser,
             memory_profile=args.memory_profile,
             memory_profile_interval_s=args.memory_interval,
             engine_process=args.engine_process,
@@ -641,6 +650,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--openai-timeout", type=float, default=300.0,
         help="seconds an OpenAI request may take before a 504 (graphs: their own timeout)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--tool-call-parser", type=_tool_call_format, default=None,
+        help="hermes, llama3, mistral or json: how replies write tool calls (OpenAI routes) "
+        "where a graph's model does not say; default: read from each model's chat template",
     )  # fmt: skip
     serve.add_argument(
         "--no-access-log",

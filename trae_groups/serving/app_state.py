@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import anyio
 
+from trae_groups.engine.chat import TOOL_CALL_FORMATS
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.memory import LARGE_PIECE_BYTES
 from trae_groups.engine.passing_threads import PassingThreads
@@ -66,6 +67,9 @@ class ServerConfig:
     # an OpenAI request (queue, prompt, generation) ends with 504 past this; a graph's
     # requests have the graph's timeout
     openai_timeout_s: float = 300.0
+    # how replies write tool calls on the OpenAI routes, for models whose graph does not
+    # say (a model's ``tool_call_parser``); None: read from each model's chat template
+    tool_call_parser: str | None = None
     log_level: str = "info"
     access_log: bool = True  # uvicorn's line per request, at log_level info
     freeze_gc: bool = True  # models loaded: gc.freeze() the heap (graphs.runtime.settle_heap)
@@ -102,6 +106,8 @@ class ServerConfig:
             raise ValueError("max_connections: must be >= 1 (or None for no cap)")
         if self.memory_profile_interval_s <= 0:
             raise ValueError("memory_profile_interval_s: must be > 0")
+        if self.tool_call_parser not in (None, *TOOL_CALL_FORMATS):
+            raise ValueError(f"tool_call_parser: one of {', '.join(TOOL_CALL_FORMATS)}")
         if self.api_workers < 1 or (self.api_workers > 1 and not self.engine_process):
             raise ValueError("api_workers: must be >= 1, and more than 1 needs engine_process")
 

@@ -140,6 +140,8 @@ def unavailable(message: str, retry_after: int, type: str = "ServiceUnavailable"
 
 def is_openai_path(path: str) -> bool:
     """Routes whose errors take OpenAI's shape (``param``, ``code``)."""
+    if path in ("/tokenize", "/detokenize"):
+        return True
     return path.startswith("/v1/") and not path.startswith("/v1/graphs")
 
 

@@ -1,6 +1,7 @@
 """OpenAI-compatible endpoints, so stock clients work: ``POST /v1/chat/completions``,
-``POST /v1/completions`` (streamed or not), ``POST /v1/embeddings`` and
-``GET /v1/models``.
+``POST /v1/completions`` (streamed or not), ``POST /v1/embeddings``, ``GET /v1/models``
+and ``GET /v1/models/{id}``; ``/v1/responses`` (openai_responses.py) and ``/tokenize``,
+``/detokenize`` (openai_tokenize.py) build on this module.
 
 What ``model`` names (GET /v1/models lists every id):
 
@@ -8,7 +9,8 @@ What ``model`` names (GET /v1/models lists every id):
    ``messages`` (every other input optional) and exactly one output that reads a
    generate node's ``text`` (``reply.text``). The request's messages become that
    input; only that output is computed; its tokens stream as they are generated.
-   The graph's own node parameters apply (sampling fields of the request do not).
+   The graph's own node parameters apply (sampling fields of the request do not; its
+   ``max_tokens`` may lower the node's own).
 2. An **LLM or embedding model of a served graph** as ``graph/model`` (the graph's
    name for the model).
 3. The **bare model name**, when it reaches one model across every served graph and
@@ -65,12 +67,7 @@ from trae_groups.serving.app_state import AppState, ServedGraph
 from trae_groups.serving.http_errors import HTTPError, bad_request, error_body, not_found
 from trae_groups.serving.http_io import Emit, header_deadline, read_json, sse, until_disconnect
 from trae_groups.serving.openai_logprobs import MAX_LEGACY_LOGPROBS, chat_content, legacy
-from trae_groups.serving.openai_structured import (
-    Structured,
-    ToolFields,
-    tool_call_constraint,
-    tool_calls,
-)
+from trae_groups.serving.openai_structured import Structured, ToolFields, ToolReading, chat_tools
 from trae_groups.serving.run_scope import CLIENT_GONE, RunScope
 
 # ---------------------------------------------------------------- request bodies
@@ -373,53 +370,67 @@ def resolve(state: AppState, name: str) -> Target:
 # ---------------------------------------------------------------- endpoints
 
 
+def _card(state: AppState, target: Target) -> dict:
+    """One model id as OpenAI's model object (with what it is here under ``trae``)."""
+    return {
+        "id": target.id,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "trae-groups",
+        "trae": {"graph": target.served.name, "kind": target.kind},
+        **({"parent": target.parent} if target.parent else {}),
+    }
+
+
 async def list_models(request: Request) -> Response:
     state: AppState = request.app.state.trae
-    data = [
-        {
-            "id": target.id,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "trae-groups",
-            "trae": {"graph": target.served.name, "kind": target.kind},
-            **({"parent": target.parent} if target.parent else {}),
-        }
-        for target in targets(state.graphs).values()
-    ]
+    data = [_card(state, target) for target in targets(state.graphs).values()]
     return JSONResponse({"object": "list", "data": data})
+
+
+async def get_model(request: Request) -> Response:
+    """``GET /v1/models/{id}``: one id of the list; 404 naming it otherwise."""
+    state: AppState = request.app.state.trae
+    name = request.path_params["model"]
+    found = targets(state.graphs).get(name)
+    if found is None:
+        raise not_found(f"unknown model '{name}'; GET /v1/models lists them", field="model")
+    return JSONResponse(_card(state, found))
 
 
 async def chat_completions(request: Request) -> Response:
     state: AppState = request.app.state.trae
     body = _parse(ChatCompletionRequest, await read_json(request, state.config.max_body_bytes))
+    target, start, reading = chat_call(request, state, body)
+    shows = body.token_logprobs() is not None
+    return await _respond(
+        request, state, target, body, start, chat=True, tools=reading, logprobs=shows
+    )
+
+
+def chat_call(
+    request: Request, state: AppState, body: ChatCompletionRequest
+) -> tuple[Target, Callable[[RunScope], Any], ToolReading | None]:
+    """A checked chat request's target, the call that starts it on its run scope, and
+    how its reply is read for tool calls (/v1/chat/completions and /v1/responses)."""
     target = resolve(state, body.model)
     messages = [m.as_message() for m in body.messages]
     constraint, source = body.constraint()
-    forced = body.forced()
-    if forced:
-        if constraint is not None:
-            raise HTTPError(422, f"{source}: give tools or {source}, not both", field=source)
-        constraint = tool_call_constraint(forced)
     _for_an_llm(target, "chat", constraint is not None or bool(body.tools))
+    constraint, source, reading = chat_tools(body, target, state.config, constraint, source)
     body.check_stream_options()
     logprobs = body.token_logprobs()
     due = (body.timeout, header_deadline(request))
+    max_tokens = body.max_completion_tokens or body.max_tokens
     if target.model is None:
         _for_a_graph(target, body, logprobs=logprobs is not None)
-        start = _GraphCall.factory(target, messages, body.user, due)
-    else:
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        params = _params(body, target, max_tokens, constraint, logprobs=logprobs)
-        tools = body.shown()
-        start = _LLMCall.factory(
-            target, params, messages=messages, user=body.user, tools=tools, due=due,
-            field="tools" if forced else source,
-        )  # fmt: skip
-    calls = forced or (body.tools if body.tool_choice != "none" else None)
-    shows = logprobs is not None
-    return await _respond(
-        request, state, target, body, start, chat=True, tools=calls, logprobs=shows
-    )
+        return target, _GraphCall.factory(target, messages, body.user, due, max_tokens), None
+    params = _params(body, target, max_tokens, constraint, logprobs=logprobs)
+    start = _LLMCall.factory(
+        target, params, messages=messages, user=body.user, tools=body.shown(), due=due,
+        field=source,
+    )  # fmt: skip
+    return target, start, reading
 
 
 async def completions(request: Request) -> Response:
@@ -630,7 +641,7 @@ class _LLMCall:
             model = run.executor.models[target.model]
             client = model.clients[target.version] if target.version else _version(model, user)
             drop = target.served.spec.on_deadline == "drop"
-            request_id = new_request_id("cmpl")
+            request_id = new_request_id("cmpl" if messages is None else "chatcmpl")
             each = [None] if prompts is None else prompts
             requests = [
                 GenerateRequest(
@@ -756,6 +767,7 @@ class _GraphCall:
         messages: list[dict],
         user=None,
         due: tuple[float | None, float | None] = (None, None),
+        max_tokens: int | None = None,
     ):
         self.target, self.executor = target, run.executor
         self.prepared = run.prepare(
@@ -765,6 +777,7 @@ class _GraphCall:
             session=user,
             timeout=due[0],
             deadline=due[1],
+            max_tokens={target.node: max_tokens} if max_tokens else None,
         )  # an InputError here is a 422; past the deadline estimate, 503
         self.request_id = self.prepared.request_id
         self.result: RunResult | None = None  # the graph run's, once it ends
@@ -776,8 +789,9 @@ class _GraphCall:
         messages: list[dict],
         user: str | None = None,
         due: tuple[float | None, float | None] = (None, None),
+        max_tokens: int | None = None,
     ):
-        return lambda run: cls(target, run, messages, user, due)
+        return lambda run: cls(target, run, messages, user, due, max_tokens)
 
     async def open(self) -> None:
         pass  # graph errors come as the run's own events
@@ -831,10 +845,7 @@ async def _respond(
         call = start(run)
         run.closing(call.close)
         await limit.within(call.open)
-        shape = _Shape(
-            call.request_id, target.id, int(time.time()), chat, tuple(tools or ()), logprobs,
-            body.n,
-        )  # fmt: skip
+        shape = _Shape(call.request_id, target.id, int(time.time()), chat, tools, logprobs, body.n)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return run.stream(_stream(run, call, shape, usage, limit))
@@ -878,13 +889,18 @@ async def _collect(call) -> list[_Piece]:
 def _stream(run: RunScope, call, shape: _Shape, include_usage: bool, limit: _Limit):
     async def produce(emit: Emit) -> None:
         last: dict[int, _Piece] = {}  # each choice's latest piece
-        held: dict[int, list[_Piece]] = {}  # with tools, a reply is held until known
+        readers: dict[int, Any] = {}  # with tools: each choice's text-or-call deltas
         offsets: dict[int, int] = {}  # completions: where each choice's next token starts
+
+        def reader(index: int) -> Any:
+            return readers.setdefault(index, shape.tools.streaming())
 
         async def send(piece: _Piece) -> None:
             last[piece.index] = piece
-            if (piece.text or piece.logprobs) and shape.tools:
-                held.setdefault(piece.index, []).append(piece)
+            if piece.text and shape.tools is not None:  # deltas as the reply allows them
+                at = _Piece(index=piece.index)
+                for delta in reader(piece.index).feed(piece.text):
+                    await emit(sse(None, shape.chunk(delta, None, at)))
             elif piece.text or (piece.logprobs and shape.logprobs):
                 await emit(sse(None, shape.chunk(piece.text, None, piece, offsets)))
 
@@ -894,18 +910,11 @@ def _stream(run: RunScope, call, shape: _Shape, include_usage: bool, limit: _Lim
             await limit.within(lambda: call.run(send))
             for index in sorted(last) or [0]:
                 finish = last.get(index, _Piece()).finish_reason or "stop"
-                pieces = held.get(index, [])
-                calls = tool_calls("".join(p.text for p in pieces), list(shape.tools))
                 at = _Piece(index=index)
-                if calls:
-                    deltas = [{"index": i, **c} for i, c in enumerate(calls)]
-                    await emit(sse(None, shape.chunk({"tool_calls": deltas}, None, at)))
-                    finish = "tool_calls"
-                elif pieces:
-                    whole = _Piece(
-                        "".join(p.text for p in pieces), index=index, logprobs=_entries(pieces)
-                    )
-                    await emit(sse(None, shape.chunk(whole.text, None, whole, offsets)))
+                if shape.tools is not None:
+                    deltas, finish = reader(index).end(finish)
+                    for delta in deltas:
+                        await emit(sse(None, shape.chunk(delta, None, at)))
                 await emit(sse(None, shape.chunk(None, finish, at)))
             if include_usage:
                 usage = _usage(last.values(), shape.n)
@@ -944,7 +953,7 @@ class _Shape:
     model: str
     created: int
     chat: bool
-    tools: tuple = ()  # a reply that is one call of these is returned as tool_calls
+    tools: ToolReading | None = None  # how a chat reply is read for tool calls
     logprobs: bool = False  # the request asked for logprobs: choices carry them
     n: int = 1  # choices per prompt
 
@@ -969,10 +978,10 @@ class _Shape:
         text = "".join(p.text for p in pieces)
         last = pieces[-1] if pieces else _Piece(finish_reason="stop")
         choice: dict[str, Any] = {"index": index, "finish_reason": last.finish_reason or "stop"}
-        calls = tool_calls(text, list(self.tools))
-        if calls:
-            choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
-            choice["finish_reason"] = "tool_calls"
+        if self.tools is not None:
+            choice["message"], choice["finish_reason"] = self.tools.message(
+                text, choice["finish_reason"]
+            )
         elif self.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -1022,8 +1031,13 @@ class _Shape:
 
 
 def routes() -> list[Route]:
+    from trae_groups.serving import openai_responses, openai_tokenize  # they build on this one
+
     return [
+        *openai_tokenize.routes(),
+        *openai_responses.routes(),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),

@@ -8,10 +8,14 @@ extensions (as vLLM names them) and tool calls, each turned into one engine
   ``guided_grammar`` (Lark or GBNF): extensions for stock clients' ``extra_body``.
 - ``tools`` with ``tool_choice: "required"`` or a named function: the reply is one
   call, ``{"name": ..., "arguments": {...}}`` matching the function's ``parameters``,
-  returned as ``message.tool_calls`` with ``finish_reason: "tool_calls"``. With
-  ``"auto"`` the tools go to the model's chat template (a 422 naming ``tools`` when
-  the template does not show tools) and a reply that is exactly such a call is
-  returned as one; otherwise it is text. ``"none"``: the tools are not shown.
+  returned as ``message.tool_calls`` (``finish_reason: "tool_calls"``, or ``"length"``
+  with the arguments written so far when ``max_tokens`` cut it). With ``"auto"`` the
+  tools go to the model's chat template (a 422 naming ``tools`` when the template does
+  not show tools) and the reply is constrained to text or calls in the model's own
+  syntax (trae_groups/serving/tool_parsers.py), read back as ``tool_calls``.
+  ``"none"``: the tools are not shown.
+- Tool schemas are strict: an object schema that does not say ``additionalProperties``
+  takes no keys beyond its ``properties``.
 
 At most one of them per request (422 naming the field otherwise).
 """
@@ -19,14 +23,15 @@ At most one of them per request (422 naming the field otherwise).
 from __future__ import annotations
 
 import json
-import uuid
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trae_groups.engine.constraints import Constraint
+from trae_groups.engine.constraints import COMPACT_JSON, Constraint
 from trae_groups.engine.errors import RequestError
 from trae_groups.serving.http_errors import HTTPError
+from trae_groups.serving.tool_parsers import SCANNERS, ToolStream, call_id, tool_calls
 
 
 class _Body(BaseModel):
@@ -146,39 +151,163 @@ class ToolFields(_Body):
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
 
-def tool_call_constraint(tools: list[Tool]) -> Constraint:
-    schema = {
+def strict(schema: Any) -> Any:
+    """The schema with every object that does not say ``additionalProperties`` closed
+    to keys beyond its ``properties`` (OpenAI's strict function schemas)."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) if k not in ("const", "enum", "default", "examples") else v
+           for k, v in schema.items()}  # fmt: skip
+    if (schema.get("type") == "object" or "properties" in schema) and (
+        "additionalProperties" not in schema
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def _call_schema(tools: list[Tool], key: str = "arguments") -> dict:
+    """One call of any of these tools: ``{"name": <its name>, key: <its arguments>}``."""
+    return {
         "anyOf": [
             {
                 "type": "object",
                 "properties": {
                     "name": {"const": t.function.name},
-                    "arguments": t.function.parameters,
+                    key: strict(t.function.parameters),
                 },
-                "required": ["name", "arguments"],
+                "required": ["name", key],
                 "additionalProperties": False,
             }
             for t in tools
         ]
     }
-    return build("tools", "json_schema", schema)
 
 
-def tool_calls(text: str, tools: list[Tool] | None) -> list[dict] | None:
-    """The reply as OpenAI ``tool_calls`` when it is exactly one call of a given tool."""
-    if not tools:
-        return None
-    try:
-        call = json.loads(text)
-    except json.JSONDecodeError:
-        return None
-    names = {t.function.name for t in tools}
-    if not (isinstance(call, dict) and call.get("name") in names and "arguments" in call):
-        return None
-    return [
-        {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
-        }
-    ]
+def tool_call_constraint(tools: list[Tool]) -> Constraint:
+    return build("tools", "json_schema", _call_schema(tools))
+
+
+def _json(schema: dict) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": COMPACT_JSON})
+
+
+def auto_constraint(fmt: str, tools: list[Tool], marker: int | None = None) -> Constraint:
+    """``tool_choice: auto``: the reply is free text (that does not open a call) or calls
+    in the model's syntax whose arguments match the tools' schemas. ``marker``: the id of
+    the special token that opens Mistral's calls, when the tokenizer has one."""
+    call = _json(_call_schema(tools, "parameters" if fmt == "llama3" else "arguments"))
+    if fmt == "hermes":
+        calls, opener = f'"<tool_call>\\n" {call} "\\n</tool_call>"', r"<tool_call>"
+        body = f'start: TEXT | calls\ncalls: one ("\\n" one)*\none: {calls}'
+    elif fmt == "mistral":
+        array = _json({"type": "array", "items": _call_schema(tools), "minItems": 1})
+        lead = f"<[{marker}]> " if marker is not None else ""
+        body, opener = f"start: TEXT | calls\ncalls: {lead}{array}", r"[\[]"
+    else:  # llama3 and json: the reply is the calls
+        sep = '"; "' if fmt == "llama3" else None
+        more = f" ({sep} {call})*" if sep else ""
+        body, opener = f"start: TEXT | calls\ncalls: {call}{more}", r"[{]"
+    text = f"TEXT: /(?s:.*)/ & ~/(?s:\\s*{opener}.*)/"
+    return build("tools", "grammar", f"{body}\n{text}")
+
+
+@dataclass(frozen=True)
+class ToolReading:
+    """How one chat request's reply is read for calls: the syntax, the tools' names,
+    and whether a call was forced (a forced call cut short is still a call)."""
+
+    fmt: str
+    names: frozenset[str]
+    forced: bool = False
+
+    def message(self, text: str, finish: str) -> tuple[dict, str]:
+        """The whole reply as a chat ``message`` and its finish reason."""
+        content, calls = tool_calls(self.fmt, text, set(self.names))
+        if not calls and self.forced:
+            content, calls = None, self._cut(text)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish
+        message = {"role": "assistant", "content": content, "tool_calls": calls}
+        return message, "tool_calls" if finish == "stop" else finish
+
+    def _cut(self, text: str) -> list[dict]:
+        """A forced call that stopped early: its name (the one forced tool's, when the
+        name itself was cut) and the arguments written so far."""
+        found = SCANNERS[self.fmt](text).calls
+        name = found[0].name if found else None
+        if name not in self.names:
+            name = next(iter(self.names)) if len(self.names) == 1 else None
+        if name is None:
+            return []
+        arguments = found[0].arguments if found else ""
+        return [{"id": call_id(), "type": "function",
+                 "function": {"name": name, "arguments": arguments}}]  # fmt: skip
+
+    def streaming(self) -> ToolDeltas:
+        return ToolDeltas(self)
+
+
+class ToolDeltas:
+    """One streamed reply's chat deltas: text and calls as the reply allows them."""
+
+    def __init__(self, reading: ToolReading):
+        self.reading = reading
+        self.stream = ToolStream(reading.fmt, set(reading.names))
+
+    def feed(self, piece: str) -> list[dict]:
+        return self.stream.feed(piece)
+
+    def end(self, finish: str) -> tuple[list[dict], str]:
+        """The last deltas and the finish reason."""
+        cut = (
+            []
+            if self.stream.called or not self.reading.forced
+            else self.reading._cut(self.stream.text)
+        )
+        if cut:  # a forced call stopped before its name was out: all of it is the call
+            return [{"tool_calls": [{"index": 0, **cut[0]}]}], finish
+        deltas = self.stream.feed("", final=True)
+        return deltas, ("tool_calls" if self.stream.called and finish == "stop" else finish)
+
+
+def reading(fmt: str, tools: list[Tool], forced: bool) -> ToolReading:
+    return ToolReading(fmt, frozenset(t.function.name for t in tools), forced)
+
+
+def chat_tools(
+    body: ToolFields, target: Any, config: Any, constraint: Constraint | None, source: str | None
+) -> tuple[Constraint | None, str | None, ToolReading | None]:
+    """A chat request's constraint, the field that asked for it, and how its reply is
+    read for calls. A forced call is constrained to one JSON call; ``auto`` to text or
+    calls in the model's syntax (unless another constraint applies: it wins)."""
+    forced = body.forced()
+    if forced:
+        if constraint is not None:
+            raise HTTPError(422, f"{source}: give tools or {source}, not both", field=source)
+        return tool_call_constraint(forced), "tools", reading("json", forced, forced=True)
+    if not body.shown() or target.model is None:
+        return constraint, source, None
+    fmt, tokenizer = _format(target, config)
+    if constraint is not None:
+        return constraint, source, reading(fmt, body.tools, forced=False)
+    marker = _marker(tokenizer) if fmt == "mistral" else None
+    return auto_constraint(fmt, body.tools, marker), "tools", reading(fmt, body.tools, False)
+
+
+def _format(target: Any, config: Any) -> tuple[str, Any]:
+    """The model's tool-call syntax: its graph's ``tool_call_parser``, else the server's
+    (``--tool-call-parser``), else what its chat template shows; and its tokenizer."""
+    from trae_groups.engine.chat import tool_call_format
+    from trae_groups.serving import model_files
+
+    tokenizer = model_files.tokenizer(target, field="tools")
+    named = target.served.spec.models[target.model].tool_call_parser or config.tool_call_parser
+    return named or tool_call_format(tokenizer), tokenizer
+
+
+def _marker(tokenizer: Any) -> int | None:
+    """The id of Mistral's ``[TOOL_CALLS]`` token, when the vocabulary has it."""
+    found = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    return found if isinstance(found, int) and found != tokenizer.unk_token_id else None

@@ -16,6 +16,8 @@ from trae_groups.serving.openai_api import (
     EmbeddingRequest,
     targets,
 )
+from trae_groups.serving.openai_responses import ResponsesRequest
+from trae_groups.serving.openai_tokenize import DetokenizeRequest, TokenizeRequest
 
 REF = "#/components/schemas/{model}"
 _ERROR = {
@@ -158,6 +160,7 @@ def _openai_components(state: AppState) -> dict[str, dict]:
     components = {}
     pairs = (
         (ChatCompletionRequest, chat), (CompletionRequest, llms), (EmbeddingRequest, embedders),
+        (ResponsesRequest, chat), (TokenizeRequest, llms), (DetokenizeRequest, llms),
     )  # fmt: skip
     for model, allowed in pairs:
         schema = model.model_json_schema(ref_template=REF)
@@ -179,10 +182,22 @@ def _openai_paths() -> dict[str, dict]:
 
     return {
         "/v1/models": {"get": _op("Models and chat graphs", {"200": _ok("the list")})},
+        "/v1/models/{model}": {
+            "get": {
+                **_op("One model", {"200": _ok("the model"), **errors(404)}),
+                "parameters": [_MODEL_PARAMETER],
+            }
+        },
+        "/v1/responses": post("OpenAI responses", "ResponsesRequest"),
+        "/tokenize": post("Token ids of a prompt or messages", "TokenizeRequest"),
+        "/detokenize": post("The text of token ids", "DetokenizeRequest"),
         "/v1/chat/completions": post("OpenAI chat completions", "ChatCompletionRequest"),
         "/v1/completions": post("OpenAI completions", "CompletionRequest"),
         "/v1/embeddings": post("OpenAI embeddings", "EmbeddingRequest"),
     }
+
+
+_MODEL_PARAMETER = {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
 def _run(body_schema: dict, summary: str, outputs: dict | None = None) -> dict:
