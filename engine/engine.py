@@ -29,6 +29,7 @@ from trae_groups.engine.llm_worker import LLMWorker
 from trae_groups.engine.loop import EngineLoop
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.outputs import OutputStream
+from trae_groups.engine.passing_threads import release_openmp_team
 from trae_groups.engine.protocol import EngineStats, GenerateRequest, WeightStats, new_request_id
 from trae_groups.engine.residency import Residency
 from trae_groups.engine.sampling import SamplingParams
@@ -252,7 +253,14 @@ class LLMEngine:
         self.loop.add_worker(worker)
         if self._pool_sized and self.loop.running:  # an on-demand model, a new version
             self._log_capacity(worker)
+        self._release_openmp()
         return worker
+
+    def _release_openmp(self) -> None:
+        """A thread other than the loop's that loaded or warmed a model gives up its OpenMP
+        team, so that the loop's team is the process's only one (engine/passing_threads.py)."""
+        if threading.current_thread() is not self.loop.thread:
+            release_openmp_team()
 
     def add_adapter(self, model: str, name: str, path: str | Path):
         """Register a PEFT LoRA adapter folder on a model of this engine (checked now);
@@ -275,6 +283,7 @@ class LLMEngine:
     def add_worker(self, worker: Worker) -> None:
         """Any other worker (encoders) steps on the same loop."""
         self.loop.add_worker(worker)
+        self._release_openmp()
 
     def llm(self, model: str | None) -> LLMWorker:
         return self.client(model).worker
@@ -291,7 +300,8 @@ class LLMEngine:
 
     # -- life cycle ------------------------------------------------------------------
     def start(self) -> LLMEngine:
-        self.size_pool()
+        self.size_pool()  # compiles, warms: parallel ops on this thread
+        self._release_openmp()
         self.loop.start()
         return self
 

@@ -84,6 +84,10 @@ class EngineLoop:
 
     # -- life cycle ----------------------------------------------------------
     @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
+    @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 

@@ -11,16 +11,21 @@ leaves none, and the engine thread's team keeps spinning as it should.
 
 ``PassingThreads`` is the executor for that work: each call on a new thread, one call at a
 time, in the order submitted (what ``ThreadPoolExecutor(1)`` gives, minus the thread that
-stays).
+stays). Where the loading thread is not ours to end (a script's main thread that builds an
+``LLMEngine`` and starts its loop, the engine's on-demand loader), ``release_openmp_team``
+frees that thread's team once its models are loaded: the same script, 72-90 ms a token
+without, 33-35 with.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from functools import cache
 from typing import Any
 
 
@@ -83,3 +88,30 @@ class PassingThreads(Executor):
 async def in_passing_thread(executor: PassingThreads, fn: Callable[..., Any], *args: Any) -> Any:
     """Await ``fn(*args)`` run on ``executor``: the asyncio form of ``anyio.to_thread``."""
     return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+
+@cache
+def _libgomp() -> Any:
+    """The GNU OpenMP runtime this process loaded (torch's), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if "libgomp" in path.rsplit("/", 1)[-1]:
+                    return ctypes.CDLL(path)
+    except OSError:
+        return None
+    return None
+
+
+def release_openmp_team() -> bool:
+    """Free the calling thread's OpenMP team (``omp_pause_resource_all``): a thread that
+    loaded models and lives on (a script's main thread, a loader thread) then holds no team
+    to throttle the engine's. Its next parallel op makes a new one. False without libgomp."""
+    gomp = _libgomp()
+    if gomp is None or not hasattr(gomp, "omp_pause_resource_all"):
+        return False
+    return gomp.omp_pause_resource_all(OMP_PAUSE_SOFT) == 0
+
+
+OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: omp_pause_soft (OpenMP 5.0)

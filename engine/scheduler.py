@@ -29,10 +29,19 @@ from trae_groups.engine.step_cost import StepCost
 # prompt tokens a step beside decodes carries at least, however slow the step: a long
 # prompt always moves on
 MIN_PROMPT_CHUNK = 32
-# A step beside decodes may take the target, or this many times the decodes' own step where
-# that is longer: a large batch's decode step alone can reach the target, and prompts held
-# to the rest fall behind the finishing sequences until the batch drains (16 streams of the
-# demo's model on 2 cores: ~25% of the throughput lost at a 100 ms target without it).
+# A prompt with nothing decoding beside it runs in steps of up to this many times the target
+# (at least MIN_ALONE_CHUNK tokens), not whole budgets: whoever arrives waits for the step in
+# flight, and a 512-token chunk deep in a long prompt is 1.2-1.8 s on 2 CPU cores. Smaller
+# chunks cost the prompt little there (a 3,000-token prompt: 7.9 s in 512s, 7.1-7.5 s in
+# 256s, 8.2-8.4 s in 128s, SmolLM2 bf16).
+ALONE_STRETCH = 3.0
+MIN_ALONE_CHUNK = 128
+# While prompts wait to be admitted, a step beside decodes may take the target, or this many
+# times the decodes' own step where that is longer: a large batch's decode step alone can
+# reach the target, and prompts held to the rest fall behind the finishing sequences until
+# the batch drains (16 streams of the demo's model on 2 cores: ~25% of the throughput lost
+# at a 100 ms target without it). With nothing waiting (a running long prompt beside a
+# chat), the target holds as it is.
 PROMPT_STRETCH = 3.0
 
 
@@ -199,13 +208,23 @@ class Scheduler:
 
     def _prompt_cap(self, decodes: int) -> int | None:
         """Prompt tokens this step may carry beside ``decodes`` running decodes (None: as
-        many as the budget allows: nothing decodes, no target, or no estimate yet)."""
-        if not decodes or self.step_target_s is None or not self.hold_prompts:
+        many as the budget allows: no target, no estimate yet, or prompts waiting and none
+        decoding). A prompt running alone takes steps of ALONE_STRETCH times the target, at
+        least MIN_ALONE_CHUNK tokens: a request that arrives meanwhile waits for the step in
+        flight."""
+        if self.step_target_s is None or not self.hold_prompts:
             return None
+        if not decodes:
+            if self.waiting:  # a burst: admitting it fast is what its first tokens need
+                return None
+            return self.cost.prompt_budget(
+                0, ALONE_STRETCH * self.step_target_s, MIN_ALONE_CHUNK,
+                self.max_num_batched_tokens,
+            )  # fmt: skip
+        stretch = PROMPT_STRETCH if self.waiting else 1.0  # only to keep admitting prompts
         return self.cost.prompt_budget(
-            decodes, self.step_target_s, MIN_PROMPT_CHUNK, self.max_num_batched_tokens,
-            PROMPT_STRETCH,
-        )  # fmt: skip
+            decodes, self.step_target_s, MIN_PROMPT_CHUNK, self.max_num_batched_tokens, stretch
+        )
 
     def _next_admissible(self) -> Sequence | None:
         if self.admissible is None:

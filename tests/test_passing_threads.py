@@ -11,7 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from trae_groups.engine.passing_threads import PassingThreads, in_passing_thread
+from conftest import wait_until
+from trae_groups.engine.passing_threads import (
+    PassingThreads,
+    in_passing_thread,
+    release_openmp_team,
+)
 
 
 def _tids() -> set[int]:
@@ -128,4 +133,35 @@ def test_no_openmp_team_outlives_a_call():
         executor.shutdown(wait=True)
         assert _settled_new_tids(before) == set()
     finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not openmp, reason="torch is not built with OpenMP here")
+def test_a_thread_that_lives_on_gives_its_team_back():
+    """A thread that ran parallel ops keeps its OpenMP workers until release_openmp_team();
+    then only the thread itself is left (what LLMEngine does after loading, off its loop)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    seen: dict[str, set[int]] = {}
+    release, done = threading.Event(), threading.Event()
+    before = _tids()
+
+    def body() -> None:
+        _parallel_work()
+        seen["working"] = _tids() - before
+        release.wait(60)
+        seen["released"] = {1} if release_openmp_team() else set()
+        done.set()
+        threading.Event().wait(2)  # alive while the workers' exit is seen
+
+    thread = threading.Thread(target=body)
+    try:
+        thread.start()
+        wait_until(lambda: "working" in seen, "the parallel op")
+        assert len(seen["working"]) >= 2  # the thread and its OpenMP worker
+        release.set()
+        assert done.wait(60) and seen["released"] == {1}
+        wait_until(lambda: len(_tids() - before) == 1, "the OpenMP worker to exit", 10)
+    finally:
+        thread.join(30)
         torch.set_num_threads(threads)

@@ -19,6 +19,8 @@ from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.scheduler import (
+    ALONE_STRETCH,
+    MIN_ALONE_CHUNK,
     MIN_PROMPT_CHUNK,
     PROMPT_STRETCH,
     Scheduler,
@@ -120,11 +122,16 @@ def test_a_slow_model_still_moves_a_long_prompt_on():
     assert cost.prompt_budget(1, 0.010, MIN_PROMPT_CHUNK, 512) == MIN_PROMPT_CHUNK
 
 
-def test_without_decodes_or_without_a_target_the_budget_is_whole():
+def test_a_prompt_alone_runs_in_steps_of_a_few_targets_and_without_a_target_whole():
     held = scheduler(target_s=0.100)
     long = seq(3000, "long")
     held.add(long)
-    assert held.schedule().prefills[0].num_new == 512  # nothing decodes: nobody waits on it
+    # nothing decodes: ALONE_STRETCH x 100 ms, less the 30 ms base, at 1 ms a token
+    alone = held.schedule().prefills[0].num_new
+    assert alone == pytest.approx((ALONE_STRETCH * 0.100 - BASE) / PER_TOKEN, abs=4)
+    slow = scheduler(target_s=0.001)  # a target no chunk fits: still MIN_ALONE_CHUNK
+    slow.add(seq(3000, "long"))
+    assert slow.schedule().prefills[0].num_new == MIN_ALONE_CHUNK
     free = scheduler(target_s=None)
     decoding_beside_a_long_prompt(free)
     assert free.schedule().prefills[0].num_new == 512 - 1  # one token left for the decode
