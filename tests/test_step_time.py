@@ -126,11 +126,15 @@ def test_a_prompt_alone_runs_in_steps_of_a_few_targets_and_without_a_target_whol
     held = scheduler(target_s=0.100)
     long = seq(3000, "long")
     held.add(long)
-    # nothing decodes: ALONE_STRETCH x 100 ms, less the 30 ms base, at 1 ms a token
+    # admitted from the queue (a burst with nothing decoding): the whole budget
+    assert held.schedule().prefills[0].num_new == 512
+    long.num_computed += 512
+    # then running alone: ALONE_STRETCH x 100 ms, less the 30 ms base, at 1 ms a token
     alone = held.schedule().prefills[0].num_new
     assert alone == pytest.approx((ALONE_STRETCH * 0.100 - BASE) / PER_TOKEN, abs=4)
     slow = scheduler(target_s=0.001)  # a target no chunk fits: still MIN_ALONE_CHUNK
     slow.add(seq(3000, "long"))
+    advance(slow)
     assert slow.schedule().prefills[0].num_new == MIN_ALONE_CHUNK
     free = scheduler(target_s=None)
     decoding_beside_a_long_prompt(free)
