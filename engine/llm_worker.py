@@ -38,6 +38,13 @@ log = logging.getLogger("trae_groups.engine")
 _STALL_POLL_S = 0.005  # waiting for pages another model holds
 
 
+def context_length(positions: int | None, configured: int | None) -> int:
+    """The context a model is served with: its ``max_position_embeddings`` (2048 when its
+    config has none), lowered to the engine's ``max_model_len`` when that is set."""
+    length = positions or 2048
+    return min(configured or length, length)
+
+
 class LLMWorker(Worker):
     def __init__(
         self,
@@ -59,8 +66,8 @@ class LLMWorker(Worker):
         self.kv = pool.kv_view(self.layout)  # smaller models fit more tokens in a page
         self.runner = LLMRunner(model, self.kv, backend)
         text_config = model.config.get_text_config()
-        model_len = getattr(text_config, "max_position_embeddings", None) or 2048
-        self.max_model_len = min(config.max_model_len or model_len, model_len)
+        positions = getattr(text_config, "max_position_embeddings", None)
+        self.max_model_len = context_length(positions, config.max_model_len)
         self.max_tokens_limit = config.max_tokens_limit
         self.max_prompt_tokens = min(
             config.max_prompt_tokens or self.max_model_len - 1, self.max_model_len - 1

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from trae_groups.engine.llm_worker import context_length as engine_context_length
 from trae_groups.engine.weights import has_tokenizer
 from trae_groups.serving.http_errors import HTTPError
 
@@ -49,5 +50,4 @@ def context_length(target: Any, configured: int | None) -> int:
     (2048 when the config has none), lowered to the engine's ``max_model_len``."""
     config = json.loads((folder(target) / "config.json").read_text(encoding="utf-8"))
     text = config.get("text_config") or config
-    length = text.get("max_position_embeddings") or 2048
-    return min(configured or length, length)
+    return engine_context_length(text.get("max_position_embeddings"), configured)
