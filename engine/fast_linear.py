@@ -17,6 +17,7 @@ loads kept it at MKL's level or better. Uncontended, packed wins on whole decode
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
@@ -34,6 +35,15 @@ __all__ = [
 # fine for T <= 64 but ~1.8x slower on the 512x32000 lm_head at T = 512, and hints 8..512 are
 # within noise of each other everywhere from T = 1 to 512. 32 (a full decode batch) sits there.
 DEFAULT_BATCH_HINT = 32
+
+# From this many rows on, a bf16/fp16 linear runs in float32 on an upcast copy of its plain
+# weight: on CPUs without AMX, oneDNN's bf16 matmul reaches ~170-185 GFLOP/s where its float32
+# one reaches ~320-340 (Xeon with AVX512-BF16, SmolLM2's shapes, bench/linear.py --upcast),
+# and the upcast (weight and rows) costs less than the difference from ~64-96 rows on: at 128
+# rows 111 against 160 ms for the model's 120 linears, at 256 rows 190 against 284. Fewer rows
+# (decode steps) stay on the packed bf16 weight, which is twice as fast as anything else there.
+# Accumulation is float32 either way; the output is rounded to the model's dtype as before.
+UPCAST_ROWS = 96
 
 
 def fast_linear_available() -> bool:
@@ -68,6 +78,7 @@ class PackedLinear(nn.Module):
         weight: torch.Tensor,
         bias: torch.Tensor | None = None,
         batch_hint: int | None = DEFAULT_BATCH_HINT,
+        upcast_large: bool = True,
     ) -> None:
         super().__init__()
         if weight.dim() != 2 or weight.device.type != "cpu":
@@ -83,6 +94,12 @@ class PackedLinear(nn.Module):
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
             weight.detach().contiguous(), batch_hint
         )
+        # Half-precision weights keep their plain tensor too (a view of the mapped file where
+        # the dtype on disk is the served one): large row counts multiply in float32 from it.
+        self.plain_weight = (
+            weight.detach() if weight.dtype in (torch.bfloat16, torch.float16) and upcast_large
+            else None
+        )  # fmt: skip
         # The bias stays a dense tensor (the op takes it as is); a buffer so .to()/state_dict see it.
         self.register_buffer(
             "bias", None if bias is None else bias.detach().to(weight.dtype).contiguous()
@@ -97,13 +114,19 @@ class PackedLinear(nn.Module):
 
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The packed weight, for memory accounting (engine/memory.py): it is no buffer."""
-        return [("packed_weight", self.packed_weight)]
+        held = [("packed_weight", self.packed_weight)]
+        if self.plain_weight is not None:
+            held.append(("plain_weight", self.plain_weight))
+        return held
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # see lower_packed_linear
             return torch.ops.trae.packed_linear(x, self.packed_weight, self.bias, self.out_features)
         if x.dtype != self.dtype:
             raise TypeError(f"PackedLinear holds {self.dtype} weights but got {x.dtype} input")
+        if self.plain_weight is not None and x.numel() >= UPCAST_ROWS * self.in_features:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.plain_weight.float(), bias).to(self.dtype)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

@@ -57,6 +57,16 @@ class PagedBatch:
             self._masks[key] = mask[:, None, None, :]
         return self._masks[key]
 
+    def decode_bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """``decode_mask`` as an additive mask (0 or -inf) in the query's dtype: SDPA's CPU
+        kernel reads it ~25% faster than a boolean one at decode shapes (cached per step)."""
+        key = ("decode_bias", window, dtype)
+        if key not in self._masks:
+            mask = self.decode_mask(window)
+            bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            self._masks[key] = bias.masked_fill_(~mask, float("-inf"))
+        return self._masks[key]
+
     def prefill_plan(self, window: int | None) -> tuple[torch.Tensor, ...] | None:
         """Index tensors and mask to run every prefill chunk in one padded SDPA call
         (cached per step: every layer uses them), or None when padding would cost more
@@ -145,7 +155,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """query [T, heads, dim]; key/value [T, kv_heads, dim] (new tokens, already stored).
 
-    Returns [T, heads, dim]. GQA/MQA through SDPA's ``enable_gqa``.
+    Returns [T, heads, dim]. GQA/MQA: decodes fold a KV head's query heads into its rows,
+    prefills use SDPA's ``enable_gqa``.
     """
     nd = batch.num_decodes
     gqa = query.shape[1] != k_cache.shape[2]
@@ -160,14 +171,11 @@ def paged_attention(
         v = v_cache.index_select(0, tables).view(
             nd, n_pages * batch.tokens_per_page, *v_cache.shape[2:]
         )
-        mask = batch.decode_mask(sliding_window)
-        q = query[:nd].unsqueeze(2)  # [nd, heads, 1, dim]
-        o = F.scaled_dot_product_attention(
-            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=gqa
-        )
+        bias = batch.decode_bias(sliding_window, query.dtype)
+        o = decode_attention(query[:nd], k, v, bias, scale)
         if out is None:
-            return o.squeeze(2)
-        out[:nd] = o.squeeze(2)
+            return o
+        out[:nd] = o
     if nd < batch.num_seqs:
         plan = batch.prefill_plan(sliding_window)
         if plan is None:
@@ -176,6 +184,25 @@ def paged_attention(
         else:
             _prefill_padded(query, k_cache, v_cache, batch, plan, scale, gqa, out)
     return out
+
+
+def decode_attention(
+    query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One new token per sequence: query [n, heads, dim]; k/v [n, L, kv_heads, dim] gathered
+    from the pages; bias [n, 1, 1, L] additive (``PagedBatch.decode_bias``). [n, heads, dim].
+
+    The query heads that share a KV head become that KV head's query rows, [n, kv_heads,
+    group, dim] (head h reads KV head h // group): one SDPA call then multiplies a few rows
+    per KV head, where its GQA path runs each query head as a row of its own (~30% slower at
+    SmolLM2's shapes, batch 32)."""
+    n, heads, dim = query.shape
+    kv_heads = k.shape[2]
+    q = query.reshape(n, kv_heads, heads // kv_heads, dim)
+    o = F.scaled_dot_product_attention(
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale
+    )
+    return o.reshape(n, heads, dim)
 
 
 # Decode attention is SDPA in every dtype. An earlier torch took a slow path for bf16/fp16

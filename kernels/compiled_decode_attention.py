@@ -12,7 +12,8 @@ same SDPA call in every dtype, on the same gathered pages.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from trae_groups.kernels.attention import decode_attention
 
 
 def decode_mask(context_lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor:
@@ -57,16 +58,9 @@ def compiled_decode_attention(
     keys = block_tables.shape[1] * k_cache.shape[1]
     k = k_cache.index_select(0, pages).view(n, keys, *kv_shape)
     v = v_cache.index_select(0, pages).view(n, keys, *kv_shape)
-    # SDPA in every dtype, as the reference kernel (kernels/attention.py)
-    o = F.scaled_dot_product_attention(
-        query[:n].unsqueeze(2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask[:n],
-        scale=scale,
-        enable_gqa=query.shape[1] != kv_shape[0],
-    )
-    out[:n] = o.squeeze(2)
+    # the reference kernel's own decode attention (kernels/attention.py), the same bias
+    bias = torch.zeros(mask[:n].shape, dtype=query.dtype).masked_fill_(~mask[:n], float("-inf"))
+    out[:n] = decode_attention(query[:n], k, v, bias, scale)
     return out
 
 

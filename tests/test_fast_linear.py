@@ -13,6 +13,7 @@ from transformers import (
 )
 
 from trae_groups.engine.fast_linear import (
+    UPCAST_ROWS,
     PackedLinear,
     fast_linear_available,
     pack_linears,
@@ -159,3 +160,27 @@ def test_bf16_packed_matches_plain_bf16():
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         torch.testing.assert_close(packed(x).float(), lin(x).float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="CPU lacks oneDNN bf16")
+@pytest.mark.parametrize("rows", [1, UPCAST_ROWS - 1, UPCAST_ROWS, 3 * UPCAST_ROWS])
+def test_bf16_rows_past_the_upcast_threshold_match_float32(rows):
+    """Below UPCAST_ROWS the packed bf16 weight multiplies, from it on a float32 copy of the
+    plain one: both round to bf16 from float32 accumulation, within a bf16 step of float32."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96).to(torch.bfloat16)
+    packed = PackedLinear.from_linear(lin)
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+        got = packed(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=1e-2)
+    # the plain weight the large rows read is held, so memory accounting counts it
+    assert [name for name, _ in packed.held_tensors()] == ["packed_weight", "plain_weight"]
+
+
+def test_float32_keeps_no_plain_weight():
+    packed = PackedLinear.from_linear(nn.Linear(8, 4))
+    assert packed.plain_weight is None
+    assert [name for name, _ in packed.held_tensors()] == ["packed_weight"]
