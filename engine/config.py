@@ -26,6 +26,15 @@ ENGINE_DTYPES = (*DTYPES, "auto")
 QUANTIZATIONS = ("int8",)  # weight quantizations the weight store applies (engine/quant.py)
 KV_CACHE_DTYPES = ("auto", *KV_STORAGE)
 MODEL_FORWARDS = ("auto", "transformers")
+COMPILE_MODES = (True, False, "auto")
+# What compile="auto" compiles: the single-stream decode step, where a step's Python and
+# small-op glue is the largest share (compiled: ~0.75-0.8x of an eager SmolLM2 batch-1 step)
+# and one size costs ~40 s of start-up cold, a few seconds with inductor's cache warm. Larger
+# batches are matmul-bound and gain less per second of start-up (docs/performance.md).
+AUTO_COMPILE_SIZES = (1,)
+# "0" turns compile="auto" off for a process and the engine processes it starts (the test
+# suite sets it; a user who wants the fastest start-up may too); explicit True/False win
+COMPILE_ENV = "TRAE_COMPILE"
 # Compiled constraints (engine/constraints.py measures them): one request's may take this
 # many bytes (a larger one is refused, a 422 naming the field that asked), and the compiled
 # ones kept for reuse, per model's tokenizer, this many in all (least recently used dropped)
@@ -86,8 +95,10 @@ class EngineConfig:
     max_lora_rank: int = 16
     # decode-only steps at fixed batch sizes (the batch padded up to one of these), prepared
     # once the pool has its size (at start): torch.compile on CPU (seconds to minutes each),
-    # CUDA graphs on a GPU with the triton backend (engine/decode_graphs.py); others eager
-    compile: bool = False
+    # CUDA graphs on a GPU with the triton backend (engine/decode_graphs.py); others eager.
+    # True: every size of compile_batch_sizes; "auto": AUTO_COMPILE_SIZES where it pays
+    # (``auto_compile_reason``); False (or TRAE_COMPILE=0 in the environment for "auto"): none
+    compile: bool | str = "auto"
     compile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     # bytes of weights held at once: on-demand models are evicted (least recently used,
     # idle) to stay within it; None: no limit (engine/residency.py)
@@ -133,6 +144,8 @@ class EngineConfig:
             raise ValueError("step_time_target_ms: must be > 0 (or None)")
         if self.max_lora_rank < 1:
             raise ValueError("max_lora_rank: must be >= 1")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile: must be one of {list(COMPILE_MODES)}, got {self.compile!r}")
         if not self.compile_batch_sizes or min(self.compile_batch_sizes) < 1:
             raise ValueError("compile_batch_sizes: must be a non-empty list of sizes >= 1")
         if self.weight_budget is not None and self.weight_budget <= 0:

@@ -20,6 +20,7 @@ from transformers import AutoConfig
 
 from trae_groups.engine.auto_weights import load_auto
 from trae_groups.engine.clients import LocalLLM
+from trae_groups.engine.compile_choice import auto_compile_reason, compile_sizes
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.deadlines import Priority
 from trae_groups.engine.errors import EngineError, EngineStopped, ModelLoadError, RequestError
@@ -175,7 +176,15 @@ class LLMEngine:
         # a CUDA graph capture must not overlap other models' kernels (a model added while
         # serving): it runs between steps on the engine thread; compiling on CPU does not
         cuda = worker.runner.device.type == "cuda"
-        seconds = self.loop.call(prepare) if cuda else prepare()
+        try:
+            seconds = self.loop.call(prepare) if cuda else prepare()
+        except Exception as exc:  # the default ("auto") must not fail a load
+            if self.config.compile is True:
+                raise
+            worker.runner.compiled = None
+            log.warning("model %s: compiling its decode failed, it stays eager: %s: %s",
+                        worker.name, type(exc).__name__, exc)  # fmt: skip
+            return
         log.info(
             "model %s: fixed-size decode for batch sizes %s in %.1f s", worker.name, sizes, seconds
         )
@@ -241,9 +250,10 @@ class LLMEngine:
             self.loop.wake,
             cache_key=cache_key or (name, str(path)),
         )
-        if config.compile:
-            sizes = tuple(b for b in config.compile_batch_sizes if b <= config.max_num_seqs)
-            sizes = sizes or (config.max_num_seqs,)
+        sizes = compile_sizes(config, worker.runner)
+        if config.compile == "auto" and not sizes:
+            log.info("model %s: decode stays eager: %s", name, auto_compile_reason(worker.runner))
+        if sizes:
             if self._pool_sized:  # a model added while serving: now, before it takes work
                 self._compile(worker, sizes)
             else:  # at start, once the pool has its size (the other models' weights loaded)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from trae_groups.kernels import cpu_native
 from trae_groups.kernels.kv_quant import QuantKV
 
 # At most this many K/V rows (sequences x padded context) gathered for one padded
@@ -55,6 +56,16 @@ class PagedBatch:
             if window is not None:
                 mask &= pos[None, :] >= (lens[:, None] - window)
             self._masks[key] = mask[:, None, None, :]
+        return self._masks[key]
+
+    def decode_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each decode row's sequence and the last position it attends (int64, cached per
+        step): what the native kernel reads instead of a mask."""
+        key = ("decode_rows",)
+        if key not in self._masks:
+            nd = self.num_decodes
+            lens = self.context_lens_t[:nd].to(torch.int64)
+            self._masks[key] = (torch.arange(nd, dtype=torch.int64), lens - 1)
         return self._masks[key]
 
     def decode_bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
@@ -114,6 +125,9 @@ def store_kv(
 ) -> None:
     """key/value [T, kv_heads, dim] into caches [pages, tokens_per_page, kv_heads, dim]
     (``QuantKV`` caches quantize them on the way in)."""
+    if cpu_native.stores(key, k_cache, v_cache):
+        cpu_native.store_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
     page_size = k_cache.shape[1]
     pages = torch.div(slot_mapping, page_size, rounding_mode="floor")
     offsets = slot_mapping - pages * page_size
@@ -162,7 +176,16 @@ def paged_attention(
     gqa = query.shape[1] != k_cache.shape[2]
     # a decode-only step (most steps) returns SDPA's output as it is: no copy into ``out``
     out = None if nd == batch.num_seqs else torch.empty_like(query)
-    if nd:
+    if nd and cpu_native.supports(query, k_cache, v_cache):  # pages read where they lie
+        row_seq, row_pos = batch.decode_rows()
+        o = cpu_native.decode_attention(
+            query[:nd], k_cache, v_cache, batch.block_tables, row_seq, row_pos, scale,
+            sliding_window,
+        )  # fmt: skip
+        if out is None:
+            return o
+        out[:nd] = o
+    elif nd:
         n_pages = batch.block_tables.shape[1]
         tables = batch.block_tables[:nd].reshape(-1)
         k = k_cache.index_select(0, tables).view(

@@ -18,6 +18,11 @@ import torch
 
 torch.set_num_threads(2)
 
+# The suite's engines decode eagerly: compile="auto" (the default) would spend seconds
+# compiling each test's model. The environment reaches the engine processes `trae serve`
+# starts too. Tests of compiling opt in with compile=True or by clearing it.
+os.environ.setdefault("TRAE_COMPILE", "0")
+
 CORPUS = [
     "hello world, how are you today?",
     "the quick brown fox jumps over the lazy dog",

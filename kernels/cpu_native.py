@@ -1,0 +1,222 @@
+"""The CPU's paged-KV kernels (``cpu_paged.c``): built on first use, loaded through ctypes.
+
+Why native code: a decode step's attention through torch gathers each sequence's pages into
+a fresh tensor per layer and runs SDPA on it, ~0.2 ms a layer at batch 1 and ~0.5 ms at
+batch 32 on SmolLM2's shapes, most of it per-call overhead around very few FLOPs; storing
+the new K/V is two advanced-indexing writes more. The C loops read the pages where they lie.
+
+Why built here: no wheel carries kernels for this torch on these CPUs (the Intel extension
+stopped at torch 2.8; zentorch is for AMD EPYC). The source is one C file with no torch
+headers: ``cc -O3 -march=native -fopenmp`` builds it in about a second into a cache keyed by
+the source, the compiler and the CPU's flags (``TRAE_KERNEL_CACHE``, else
+``~/.cache/trae-groups/kernels``). Without a C compiler, or with ``TRAE_NATIVE_KERNELS=0``,
+nothing is built and the torch reference runs (the same numbers within float rounding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("trae_groups.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_paged.c")
+ENV_SWITCH = "TRAE_NATIVE_KERNELS"  # "0": never build or use them
+CACHE_ENV = "TRAE_KERNEL_CACHE"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_limits = (0, 0)
+_off = threading.local()  # ``turned_off``: this thread runs the torch reference
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build(cc: str) -> Path:
+    """The shared object for this source, compiler and CPU, built once into the cache."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode() + _cpu_flags().encode()
+    ).hexdigest()[:20]
+    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "trae-groups" / "kernels")
+    target = cache / f"cpu_paged-{key}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / target.name
+        done = subprocess.run(
+            [cc, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-400:]}")
+        os.replace(built, target)  # atomic: another process may be building it too
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    for suffix in _SUFFIX.values():
+        store = getattr(lib, f"store_kv_{suffix}")
+        store.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, *[_i64] * 6, _ptr, ctypes.c_int]
+        store.restype = None
+        decode = getattr(lib, f"decode_attention_{suffix}")
+        decode.argtypes = (
+            [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr]
+            + [_i64] * 4
+            + [ctypes.c_float, _i64, _ptr, _i64, ctypes.c_int]
+        )
+        decode.restype = None
+
+
+@contextlib.contextmanager
+def turned_off() -> Iterator[None]:
+    """Run the torch reference on this thread meanwhile (tests compare the two paths)."""
+    _off.on = True
+    try:
+        yield
+    finally:
+        _off.on = False
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None where they cannot be had (the reason logged once)."""
+    global _lib, _tried, _limits
+    if getattr(_off, "on", False):
+        return None
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            if os.environ.get(ENV_SWITCH) == "0":
+                raise RuntimeError(f"{ENV_SWITCH}=0")
+            cc = _compiler()
+            if cc is None:
+                raise RuntimeError("no C compiler (cc, gcc or clang)")
+            lib = ctypes.CDLL(str(_build(cc)))
+            _declare(lib)
+            group, dim = _i64(), _i64()
+            lib.limits(ctypes.byref(group), ctypes.byref(dim))
+            _limits = (group.value, dim.value)
+            _lib = lib
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            log.info("native CPU attention kernels not used (torch reference instead): %s", exc)
+        _tried = True
+    return _lib
+
+
+def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int] | None:
+    """(page, token, head) element strides of a [pages, page, heads, dim] cache whose rows
+    of ``dim`` are contiguous, else None."""
+    if cache.dim() != 4 or cache.stride(3) != 1:
+        return None
+    return cache.stride(0), cache.stride(1), cache.stride(2)
+
+
+def supports(query: torch.Tensor, k_cache, v_cache) -> bool:
+    """Whether the kernels take this layer: CPU, float32/bf16 plain caches (a ``QuantKV``
+    is no tensor), matching strides, and a head shape within the kernel's bounds."""
+    if not isinstance(k_cache, torch.Tensor) or not isinstance(v_cache, torch.Tensor):
+        return False
+    if query.device.type != "cpu" or query.dtype not in _SUFFIX or library() is None:
+        return False
+    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+        return False
+    strides = _cache_strides(k_cache)
+    if strides is None or strides != _cache_strides(v_cache):
+        return False
+    heads, dim, kv_heads = query.shape[1], query.shape[2], k_cache.shape[2]
+    max_group, max_dim = _limits
+    return heads % kv_heads == 0 and heads // kv_heads <= max_group and dim <= max_dim
+
+
+def stores(key: torch.Tensor, k_cache, v_cache) -> bool:
+    """Whether ``store_kv`` takes these: CPU, float32/bf16 plain caches with matching
+    strides, the new rows in the caches' dtype."""
+    if not isinstance(k_cache, torch.Tensor) or not isinstance(v_cache, torch.Tensor):
+        return False
+    if key.device.type != "cpu" or key.dtype not in _SUFFIX or library() is None:
+        return False
+    if k_cache.dtype != key.dtype or v_cache.dtype != key.dtype:
+        return False
+    strides = _cache_strides(k_cache)
+    return strides is not None and strides == _cache_strides(v_cache)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A [rows, heads, dim] tensor whose heads and dims are packed (rows may be strided)."""
+    if t.stride(2) == 1 and t.stride(1) == t.shape[2]:
+        return t
+    return t.contiguous()
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
+    """key/value [T, kv_heads, dim] into their slots (slot -1: padding, skipped)."""
+    lib = library()
+    key, value = _rows(key), _rows(value)
+    slots = slot_mapping.contiguous()
+    page_s, tok_s, head_s = _cache_strides(k_cache)
+    getattr(lib, f"store_kv_{_SUFFIX[key.dtype]}")(
+        key.data_ptr(), value.data_ptr(), key.shape[0], key.stride(0), value.stride(0),
+        k_cache.data_ptr(), v_cache.data_ptr(), page_s, tok_s, head_s, k_cache.shape[1],
+        key.shape[1], key.shape[2], slots.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_seq: torch.Tensor,
+    row_pos: torch.Tensor,
+    scale: float,
+    window: int | None,
+) -> torch.Tensor:
+    """query [n, heads, dim], one token per row; row r attends positions up to
+    ``row_pos[r]`` (and, with a window, the last ``window`` of them) of sequence
+    ``row_seq[r]``'s pages. Returns [n, heads, dim] in the query's dtype."""
+    lib = library()
+    query = _rows(query)
+    out = torch.empty(query.shape, dtype=query.dtype)
+    tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
+    page_s, tok_s, head_s = _cache_strides(k_cache)
+    getattr(lib, f"decode_attention_{_SUFFIX[query.dtype]}")(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        page_s, tok_s, head_s, k_cache.shape[1], tables.data_ptr(), tables.stride(0),
+        row_seq.data_ptr(), row_pos.data_ptr(), query.shape[0], query.shape[1],
+        k_cache.shape[2], query.shape[2], scale, window or 0, out.data_ptr(), out.stride(0),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return out

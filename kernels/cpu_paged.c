@@ -1,0 +1,285 @@
+/* Paged KV on the CPU: store new K/V rows into their slots, and one-token-per-row attention
+ * over each row's pages, read where they lie (no gathered copy of the context per layer).
+ *
+ * Built on first use by kernels/cpu_native.py (cc -O3 -march=native -fopenmp) and called
+ * through ctypes with raw pointers and element strides; the Python side checks shapes,
+ * dtypes and contiguity. float32 and bfloat16 tensors; scores, softmax and the weighted sum
+ * accumulate in float32, as the torch reference does. OpenMP binds to the runtime torch
+ * already loaded (same soname), so these loops share torch's team instead of adding one.
+ *
+ * Layouts (element strides; the head dimension D is contiguous everywhere):
+ *   query / out   [rows, H, D]             row stride q_rs / out_rs, head stride D
+ *   k/v caches    [pages, page, KVH, D]    strides page_s, tok_s, head_s (a layer's view)
+ *   block tables  [seqs, tab_s] int64
+ *   row_seq[r]    the sequence row r belongs to; row_pos[r] the last position it sees
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_GROUP 16  /* query heads per KV head */
+#define MAX_DIM 256   /* head dimension */
+#define BLOCK 64      /* keys scored at once before the running softmax is rescaled */
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline bf16 f32_to_bf16(float f) { /* round to nearest even, NaN kept NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+#define LOAD_f32(p, i) ((p)[i])
+#define LOAD_bf16(p, i) bf16_to_f32((p)[i])
+#define STORE_f32(p, i, x) ((p)[i] = (x))
+#define STORE_bf16(p, i, x) ((p)[i] = f32_to_bf16(x))
+
+#define DEFINE_STORE(T)                                                                      \
+    void store_kv_##T(const T *key, const T *value, int64_t rows, int64_t key_rs,            \
+                      int64_t value_rs, T *k_cache, T *v_cache, int64_t page_s,              \
+                      int64_t tok_s, int64_t head_s, int64_t page_size, int64_t kv_heads,    \
+                      int64_t dim, const int64_t *slots, int nthreads) {                     \
+        _Pragma("omp parallel for num_threads(nthreads) if (rows > 8)")                     \
+        for (int64_t r = 0; r < rows; r++) {                                                 \
+            int64_t slot = slots[r];                                                         \
+            if (slot < 0) continue; /* a padding row */                                      \
+            int64_t at = (slot / page_size) * page_s + (slot % page_size) * tok_s;           \
+            for (int64_t h = 0; h < kv_heads; h++) {                                         \
+                memcpy(k_cache + at + h * head_s, key + r * key_rs + h * dim,                \
+                       (size_t)dim * sizeof(T));                                             \
+                memcpy(v_cache + at + h * head_s, value + r * value_rs + h * dim,            \
+                       (size_t)dim * sizeof(T));                                             \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+#define DEFINE_DECODE(T)                                                                     \
+    void decode_attention_##T(const T *query, int64_t q_rs, const T *k_cache,               \
+                              const T *v_cache, int64_t page_s, int64_t tok_s,              \
+                              int64_t head_s, int64_t page_size, const int64_t *tables,     \
+                              int64_t tab_s, const int64_t *row_seq, const int64_t *row_pos, \
+                              int64_t rows, int64_t heads, int64_t kv_heads, int64_t dim,    \
+                              float scale, int64_t window, T *out, int64_t out_rs,           \
+                              int nthreads) {                                                \
+        const int64_t group = heads / kv_heads;                                              \
+        _Pragma("omp parallel for schedule(dynamic) num_threads(nthreads)")                 \
+        for (int64_t item = 0; item < rows * kv_heads; item++) {                             \
+            const int64_t r = item / kv_heads, kh = item % kv_heads;                         \
+            const int64_t seq = row_seq[r], pos = row_pos[r];                                \
+            const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;  \
+            const int64_t *table = tables + seq * tab_s;                                     \
+            VECTOR_ITEM(T)                                                                   \
+            float q[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM];                            \
+            float best[MAX_GROUP], total[MAX_GROUP], score[MAX_GROUP][BLOCK];                \
+            for (int64_t g = 0; g < group; g++) {                                            \
+                const T *qp = query + r * q_rs + (kh * group + g) * dim;                     \
+                for (int64_t d = 0; d < dim; d++) {                                          \
+                    q[g][d] = LOAD_##T(qp, d) * scale;                                       \
+                    acc[g][d] = 0.0f;                                                        \
+                }                                                                            \
+                best[g] = -INFINITY;                                                         \
+                total[g] = 0.0f;                                                             \
+            }                                                                                \
+            for (int64_t j0 = lo; j0 <= pos; j0 += BLOCK) {                                  \
+                const int64_t n = (pos - j0 + 1 < BLOCK) ? pos - j0 + 1 : BLOCK;             \
+                for (int64_t jj = 0; jj < n; jj++) {                                         \
+                    const int64_t j = j0 + jj;                                               \
+                    const T *kp = k_cache + table[j / page_size] * page_s +                  \
+                                  (j % page_size) * tok_s + kh * head_s;                     \
+                    for (int64_t g = 0; g < group; g++) {                                    \
+                        float s = 0.0f;                                                      \
+                        _Pragma("omp simd reduction(+ : s)")                                 \
+                        for (int64_t d = 0; d < dim; d++) s += q[g][d] * LOAD_##T(kp, d);    \
+                        score[g][jj] = s;                                                    \
+                    }                                                                        \
+                }                                                                            \
+                for (int64_t g = 0; g < group; g++) {                                        \
+                    float top = best[g];                                                     \
+                    for (int64_t jj = 0; jj < n; jj++)                                       \
+                        top = score[g][jj] > top ? score[g][jj] : top;                       \
+                    const float rescale = expf(best[g] - top); /* 0 on the first block */    \
+                    float sum = 0.0f;                                                        \
+                    _Pragma("omp simd reduction(+ : sum)")                                   \
+                    for (int64_t jj = 0; jj < n; jj++) {                                     \
+                        score[g][jj] = expf(score[g][jj] - top);                             \
+                        sum += score[g][jj];                                                 \
+                    }                                                                        \
+                    total[g] = total[g] * rescale + sum;                                     \
+                    best[g] = top;                                                           \
+                    if (rescale != 1.0f)                                                     \
+                        for (int64_t d = 0; d < dim; d++) acc[g][d] *= rescale;              \
+                }                                                                            \
+                for (int64_t jj = 0; jj < n; jj++) {                                         \
+                    const int64_t j = j0 + jj;                                               \
+                    const T *vp = v_cache + table[j / page_size] * page_s +                  \
+                                  (j % page_size) * tok_s + kh * head_s;                     \
+                    float v[MAX_DIM];                                                        \
+                    for (int64_t d = 0; d < dim; d++) v[d] = LOAD_##T(vp, d);                \
+                    for (int64_t g = 0; g < group; g++) {                                    \
+                        const float p = score[g][jj];                                        \
+                        _Pragma("omp simd")                                                  \
+                        for (int64_t d = 0; d < dim; d++) acc[g][d] += p * v[d];             \
+                    }                                                                        \
+                }                                                                            \
+            }                                                                                \
+            for (int64_t g = 0; g < group; g++) {                                            \
+                T *op = out + r * out_rs + (kh * group + g) * dim;                           \
+                const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;                  \
+                for (int64_t d = 0; d < dim; d++) STORE_##T(op, d, acc[g][d] * inv);         \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+typedef float f32;
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* The same loop with AVX-512 registers: a key's row is loaded once (bf16 widened by a shift)
+ * for every query head of its group, dot products reduce in-register, exp is a vector
+ * polynomial (relative error ~1e-7), and the group's accumulators stay in registers for the
+ * usual head sizes (64, 128: the dimension is a compile-time constant there). */
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const bf16 *p) {
+    __m256i half = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+static inline void store16_f32(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
+static inline void store16_bf16(bf16 *p, __m512 x) {
+    float tmp[16];
+    _mm512_storeu_ps(tmp, x);
+    for (int i = 0; i < 16; i++) p[i] = f32_to_bf16(tmp[i]);
+}
+
+static inline __m512 exp16(__m512 x) { /* x <= 0: a score minus the running maximum */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n); /* 2^x = 2^n * 2^f, f in [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.540353039338161e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355814642844e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+#define DEFINE_ITEM512(T)                                                                    \
+    static inline __attribute__((always_inline)) void item512_##T(                           \
+        const T *query, int64_t q_rs, const T *k_cache, const T *v_cache, int64_t page_s,    \
+        int64_t tok_s, int64_t head_s, int64_t page_size, const int64_t *table, int64_t r,   \
+        int64_t kh, int64_t lo, int64_t pos, int64_t group, const int nd, float scale,       \
+        T *out, int64_t out_rs, int64_t dim) {                                               \
+        __m512 q[MAX_GROUP][MAX_DIM / 16], acc[MAX_GROUP][MAX_DIM / 16];                     \
+        float best[MAX_GROUP], total[MAX_GROUP];                                             \
+        float score[MAX_GROUP][BLOCK] __attribute__((aligned(64)));                          \
+        const __m512 vscale = _mm512_set1_ps(scale);                                         \
+        for (int64_t g = 0; g < group; g++) {                                                \
+            const T *qp = query + r * q_rs + (kh * group + g) * dim;                         \
+            for (int c = 0; c < nd; c++) {                                                   \
+                q[g][c] = _mm512_mul_ps(load16_##T(qp + 16 * c), vscale);                    \
+                acc[g][c] = _mm512_setzero_ps();                                             \
+            }                                                                                \
+            best[g] = -INFINITY;                                                             \
+            total[g] = 0.0f;                                                                 \
+        }                                                                                    \
+        for (int64_t j0 = lo; j0 <= pos; j0 += BLOCK) {                                      \
+            const int64_t n = (pos - j0 + 1 < BLOCK) ? pos - j0 + 1 : BLOCK;                 \
+            for (int64_t jj = 0; jj < n; jj++) {                                             \
+                const int64_t j = j0 + jj;                                                   \
+                const T *kp = k_cache + table[j / page_size] * page_s +                      \
+                              (j % page_size) * tok_s + kh * head_s;                         \
+                __m512 k[MAX_DIM / 16];                                                      \
+                for (int c = 0; c < nd; c++) k[c] = load16_##T(kp + 16 * c);                 \
+                for (int64_t g = 0; g < group; g++) {                                        \
+                    __m512 s = _mm512_mul_ps(q[g][0], k[0]);                                 \
+                    for (int c = 1; c < nd; c++) s = _mm512_fmadd_ps(q[g][c], k[c], s);      \
+                    score[g][jj] = _mm512_reduce_add_ps(s);                                  \
+                }                                                                            \
+            }                                                                                \
+            for (int64_t g = 0; g < group; g++) {                                            \
+                float top = best[g];                                                         \
+                for (int64_t jj = 0; jj < n; jj++)                                           \
+                    top = score[g][jj] > top ? score[g][jj] : top;                           \
+                const float rescale = expf(best[g] - top); /* 0 on the first block */        \
+                const __m512 vtop = _mm512_set1_ps(top);                                     \
+                __m512 sum = _mm512_setzero_ps();                                            \
+                for (int64_t jj = 0; jj < n; jj += 16) {                                     \
+                    const __mmask16 m = n - jj >= 16 ? 0xffff : (__mmask16)((1u << (n - jj)) - 1); \
+                    __m512 x = _mm512_maskz_loadu_ps(m, &score[g][jj]);                      \
+                    x = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(x, vtop)));               \
+                    _mm512_mask_storeu_ps(&score[g][jj], m, x);                              \
+                    sum = _mm512_add_ps(sum, x);                                             \
+                }                                                                            \
+                total[g] = total[g] * rescale + _mm512_reduce_add_ps(sum);                   \
+                best[g] = top;                                                               \
+                if (rescale != 1.0f) {                                                       \
+                    const __m512 vr = _mm512_set1_ps(rescale);                               \
+                    for (int c = 0; c < nd; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], vr);   \
+                }                                                                            \
+            }                                                                                \
+            for (int64_t jj = 0; jj < n; jj++) {                                             \
+                const int64_t j = j0 + jj;                                                   \
+                const T *vp = v_cache + table[j / page_size] * page_s +                      \
+                              (j % page_size) * tok_s + kh * head_s;                         \
+                __m512 v[MAX_DIM / 16];                                                      \
+                for (int c = 0; c < nd; c++) v[c] = load16_##T(vp + 16 * c);                 \
+                for (int64_t g = 0; g < group; g++) {                                        \
+                    const __m512 p = _mm512_set1_ps(score[g][jj]);                           \
+                    for (int c = 0; c < nd; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]); \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t g = 0; g < group; g++) {                                                \
+            T *op = out + r * out_rs + (kh * group + g) * dim;                               \
+            const __m512 inv = _mm512_set1_ps(total[g] > 0.0f ? 1.0f / total[g] : 0.0f);     \
+            for (int c = 0; c < nd; c++) store16_##T(op + 16 * c, _mm512_mul_ps(acc[g][c], inv)); \
+        }                                                                                    \
+    }
+#endif
+
+#ifdef __AVX512F__
+DEFINE_ITEM512(f32)
+DEFINE_ITEM512(bf16)
+/* the common head sizes as constants, so the register arrays unroll */
+#define VECTOR_ITEM(T)                                                                       \
+    if (dim % 16 == 0) {                                                                     \
+        switch (dim) {                                                                       \
+        case 64:                                                                             \
+            item512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s, page_size,     \
+                        table, r, kh, lo, pos, group, 4, scale, out, out_rs, 64);            \
+            break;                                                                           \
+        case 128:                                                                            \
+            item512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s, page_size,     \
+                        table, r, kh, lo, pos, group, 8, scale, out, out_rs, 128);           \
+            break;                                                                           \
+        default:                                                                             \
+            item512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s, page_size,     \
+                        table, r, kh, lo, pos, group, (int)(dim / 16), scale, out, out_rs,   \
+                        dim);                                                                \
+        }                                                                                    \
+        continue;                                                                            \
+    }
+#else
+#define VECTOR_ITEM(T)
+#endif
+DEFINE_STORE(f32)
+DEFINE_STORE(bf16)
+DEFINE_DECODE(f32)
+DEFINE_DECODE(bf16)
+
+int limits(int64_t *max_group, int64_t *max_dim) {
+    *max_group = MAX_GROUP;
+    *max_dim = MAX_DIM;
+    return 1;
+}

@@ -1,0 +1,98 @@
+"""The native CPU kernels (kernels/cpu_paged.c) against the dense oracle and the torch
+reference: decode attention over pages where they lie (GQA, sliding windows, contexts across
+the kernel's key blocks, a layer's strided view of a page-major pool) and the K/V store."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_kernels import make_case
+
+from trae_groups.kernels import cpu_native, naive_attention, paged_attention, store_kv
+
+pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler")
+
+
+def _strided(cache: torch.Tensor) -> torch.Tensor:
+    """The same values as one layer's K of a pool laid out [pages, 2 (k/v), page, heads, dim]."""
+    pool = torch.zeros(cache.shape[0], 2, *cache.shape[1:], dtype=cache.dtype)
+    pool[:, 0] = cache
+    return pool[:, 0]
+
+
+def test_built_where_a_compiler_is():
+    assert cpu_native.library() is not None
+    with cpu_native.turned_off():
+        assert cpu_native.library() is None
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("window", [None, 5, 70])
+@pytest.mark.parametrize("strided", [False, True])
+def test_decode_matches_dense_float32(heads, kv_heads, window, strided):
+    # contexts inside one page, across pages and across the kernel's 64-key blocks
+    ctx_lens = [1, 4, 13, 64, 65, 200]
+    q, k, v, kc, vc, batch, keys, values = make_case(
+        [1] * len(ctx_lens), ctx_lens, heads, kv_heads, page=16, dim=32, num_pages=64
+    )
+    if strided:
+        kc, vc = _strided(kc), _strided(vc)
+    assert cpu_native.supports(q, kc, vc)
+    store_kv(k, v, kc, vc, batch.slot_mapping)
+    got = paged_attention(q, k, v, kc, vc, batch, 32**-0.5, window)
+    want = naive_attention(q, keys, values, batch.query_starts, 32**-0.5, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_bf16_within_rounding_of_float32():
+    ctx_lens = [3, 40, 130]
+    q, k, v, kc, vc, batch, keys, values = make_case([1] * 3, ctx_lens, 9, 3, page=16, dim=64)
+    q, k, v, kc, vc = (t.bfloat16() for t in (q, k, v, kc, vc))
+    keys, values = [t.bfloat16() for t in keys], [t.bfloat16() for t in values]
+    store_kv(k, v, kc, vc, batch.slot_mapping)
+    got = paged_attention(q, k, v, kc, vc, batch, 0.125, None)
+    assert got.dtype == torch.bfloat16
+    # the oracle on the same bf16 values in float32: one bf16 rounding of the output apart
+    want = naive_attention(q.float(), [t.float() for t in keys], [t.float() for t in values],
+                           batch.query_starts, 0.125)  # fmt: skip
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    with cpu_native.turned_off():  # the torch reference agrees as closely
+        ref = paged_attention(q, k, v, kc, vc, batch, 0.125, None)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_equals_the_reference_and_skips_padding(dtype):
+    q, k, v, kc, vc, batch, _, _ = make_case([1, 3, 5], [2, 9, 5], 4, 2, page=4, dim=8)
+    k, v = k.to(dtype), v.to(dtype)
+    ours_k, ours_v = _strided(kc.to(dtype)), _strided(vc.to(dtype))
+    ref_k, ref_v = kc.to(dtype), vc.to(dtype)
+    slots = torch.cat([batch.slot_mapping, torch.tensor([-1])])  # a padding row at the end
+    pad = torch.full((1, *k.shape[1:]), 7.0, dtype=dtype)
+    store_kv(torch.cat([k, pad]), torch.cat([v, pad]), ours_k, ours_v, slots)
+    with cpu_native.turned_off():
+        store_kv(k, v, ref_k, ref_v, batch.slot_mapping)
+    assert torch.equal(ours_k, ref_k) and torch.equal(ours_v, ref_v)
+
+
+def test_mixed_steps_use_it_for_decodes_and_the_reference_for_prefills():
+    q_lens, ctx_lens = [1, 1, 7, 5], [1, 13, 7, 11]
+    q, k, v, kc, vc, batch, keys, values = make_case(q_lens, ctx_lens, 8, 2)
+    store_kv(k, v, kc, vc, batch.slot_mapping)
+    got = paged_attention(q, k, v, kc, vc, batch, 8**-0.5)
+    with cpu_native.turned_off():
+        ref = paged_attention(q, k, v, kc, vc, batch, 8**-0.5)
+    want = naive_attention(q, keys, values, batch.query_starts, 8**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref, want, atol=1e-5, rtol=1e-5)
+
+
+def test_environment_switch_turns_them_off():
+    code = "from trae_groups.kernels import cpu_native; print(cpu_native.library() is None)"
+    env = dict(os.environ, TRAE_NATIVE_KERNELS="0")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "True", done.stderr
