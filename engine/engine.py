@@ -168,8 +168,19 @@ class LLMEngine:
 
     def _compile(self, worker: LLMWorker, sizes: tuple[int, ...]) -> None:
         """Fixed-size decode steps (compiled on CPU, CUDA graphs on a GPU) see the pool's
-        final buffer: a graph holds its addresses."""
+        final buffer: a graph holds its addresses. compile="auto" compiles on a thread of
+        its own while the model already serves eagerly (a cold compile of SmolLM2's batch-1
+        step takes ~50 s on 2 cores, a warm one ~7 s; start-up must not wait for either),
+        and the thread ends with it, taking its OpenMP team along."""
+        if self.config.compile == "auto":
+            threading.Thread(
+                target=self._compile_now, args=(worker, sizes), name=f"trae-compile-{worker.name}",
+                daemon=True,
+            ).start()  # fmt: skip
+        else:
+            self._compile_now(worker, sizes)
 
+    def _compile_now(self, worker: LLMWorker, sizes: tuple[int, ...]) -> None:
         def prepare() -> float:
             return worker.runner.enable_compile(sizes, worker.max_model_len)
 

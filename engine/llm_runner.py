@@ -141,7 +141,7 @@ def _compiled_attend(d: DecodeInputs) -> Attend:
         mask = decode_mask(d.context_lens, d.block_tables.shape[1] * page, window)
         return torch.ops.trae.compiled_decode_attention(
             q, k, v, k_cache, v_cache, d.slot_mapping // page, d.slot_mapping % page,
-            d.block_tables, mask, d.num_real, scale,
+            d.block_tables, mask, d.context_lens, window or 0, d.num_real, scale,
         )  # fmt: skip
 
     return attend
@@ -333,8 +333,10 @@ class LLMRunner:
                 self.backend.name,
             )
             return 0.0
-        self.compiled = CompiledDecode(self.model, self.kv, sizes)
-        return self.compiled.warm_up()
+        compiled = CompiledDecode(self.model, self.kv, sizes)
+        seconds = compiled.warm_up()
+        self.compiled = compiled  # steps take it once every size is compiled (maybe meanwhile)
+        return seconds
 
     def enable_graphs(self, sizes: tuple[int, ...], max_model_len: int, capture=cuda_capture):
         """Capture decode steps as graphs (``capture``: ``replay_eagerly`` in CPU tests).

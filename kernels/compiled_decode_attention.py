@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from trae_groups.kernels import cpu_native
 from trae_groups.kernels.attention import decode_attention
 
 
@@ -38,6 +39,8 @@ def compiled_decode_attention(
     slot_offsets: torch.Tensor,
     block_tables: torch.Tensor,
     mask: torch.Tensor,
+    context_lens: torch.Tensor,
+    window: int,
     num_real: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
@@ -45,10 +48,20 @@ def compiled_decode_attention(
     first ``num_real`` ([1]) real and the rest padding; caches [pages, tokens_per_page,
     kv_heads, dim] (plain tensors, not quantized; a layer's view of the pool, so not
     contiguous); each new token's page and offset [B]; block_tables [B, width]; mask from
-    ``decode_mask``. Stores the real rows' K/V, returns [B, heads, dim] (padding rows 0)."""
+    ``decode_mask`` (the torch path's), context lengths [B] and the window (0: none, the
+    native kernel's). Stores the real rows' K/V, returns [B, heads, dim] (padding rows 0)."""
     n = int(num_real)
     out = torch.zeros_like(query)
     if n == 0:
+        return out
+    if cpu_native.supports(query, k_cache, v_cache):  # as the eager step: pages where they lie
+        slots = slot_pages[:n] * k_cache.shape[1] + slot_offsets[:n]
+        cpu_native.store_kv(key[:n], value[:n], k_cache, v_cache, slots)
+        last = context_lens[:n].to(torch.int64) - 1
+        out[:n] = cpu_native.decode_attention(
+            query[:n], k_cache, v_cache, block_tables[:n], torch.arange(n), last, scale,
+            window or None,
+        )  # fmt: skip
         return out
     kv_shape = k_cache.shape[2:]
     pages, offsets = slot_pages[:n], slot_offsets[:n]
@@ -65,5 +78,5 @@ def compiled_decode_attention(
 
 
 @compiled_decode_attention.register_fake
-def _(query, key, value, k_cache, v_cache, pages, offsets, block_tables, mask, num_real, scale):
+def _(query, key, value, k_cache, v_cache, pages, offsets, tables, mask, lens, window, real, scale):
     return torch.empty_like(query)

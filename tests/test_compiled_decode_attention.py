@@ -4,11 +4,13 @@ strided view of a page-major pool."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from test_kernels import make_case
 
-from trae_groups.kernels import paged_attention, store_kv
+from trae_groups.kernels import cpu_native, paged_attention, store_kv
 from trae_groups.kernels.compiled_decode_attention import decode_mask
 
 
@@ -19,9 +21,17 @@ def _strided(cache: torch.Tensor) -> torch.Tensor:
     return pool[:, 0]
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,window", [(4, 4, None), (8, 2, None), (4, 2, 5)])
-def test_matches_the_reference_with_padding_rows(dtype, heads, kv_heads, window):
+def test_matches_the_reference_with_padding_rows(dtype, heads, kv_heads, window, native):
+    """The op takes the path the eager step takes (native kernels where they are built,
+    the torch reference otherwise), so the two agree exactly either way."""
+    with contextlib.nullcontext() if native else cpu_native.turned_off():
+        _check_against_reference(dtype, heads, kv_heads, window)
+
+
+def _check_against_reference(dtype, heads, kv_heads, window):
     ctx_lens, pad = [1, 4, 13, 30], 3
     q, k, v, kc, vc, batch, _, _ = make_case([1] * 4, ctx_lens, heads, kv_heads)
     q, k, v, kc, vc = (t.to(dtype) for t in (q, k, v, kc, vc))
@@ -46,6 +56,8 @@ def test_matches_the_reference_with_padding_rows(dtype, heads, kv_heads, window)
         slots % page,
         tables,
         mask,
+        lens,
+        window or 0,
         torch.tensor([len(ctx_lens)]),
         8**-0.5,
     )

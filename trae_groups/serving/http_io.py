@@ -67,6 +67,17 @@ class LargeBodies:
         self.in_flight = 0
         self.refused = 0
         self.trim = TrimSoon()
+        self._parser: anyio.CapacityLimiter | None = None
+
+    @property
+    def parser(self) -> anyio.CapacityLimiter:
+        """One parsing thread for all of them: decoding JSON holds the GIL throughout, so
+        parallel parses gain nothing and each one more is a wait more for the event loop
+        (``/health`` waited up to ~190 ms behind eight at once). Made on first use, on the
+        event loop (an anyio limiter needs its backend)."""
+        if self._parser is None:
+            self._parser = anyio.CapacityLimiter(1)
+        return self._parser
 
     def admit(self) -> None:
         if self.in_flight >= self.limit:
@@ -115,7 +126,7 @@ async def read_json(request: Request, limit: int) -> Any:
         body = b"".join(chunks)
         del chunks
         if admitted:
-            return await anyio.to_thread.run_sync(_parse_json, body)
+            return await anyio.to_thread.run_sync(_parse_json, body, limiter=large.parser)
         return _parse_json(body)
     finally:
         if admitted:
