@@ -167,11 +167,15 @@ def _load(kind: str, dtype: str, folder: str, threads: int, opts: dict):
         )
         engine = LLMEngine({"m": folder}, config)
         engine.size_pool()
+        waited = time.perf_counter()
+        engine.wait_compiled()  # compile="auto" compiles beside serving: time what it makes
         info = {
             "torch": torch.__version__,
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "pool_mb": opts["pool_bytes"] >> 20,
             "compile": config.compile,
+            # in the start-up below; a server answers meanwhile (eagerly)
+            "compile_wait_s": round(time.perf_counter() - waited, 1),
         }
 
         def run(prompts, new):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -115,6 +116,7 @@ class LLMEngine:
         self.pool = self._make_pool(layouts)
         self._pool_sized = False  # final size, KV capacity logged (size_pool)
         self._to_compile: list[tuple[LLMWorker, tuple[int, ...]]] = []  # until then
+        self._compiling: list[threading.Thread] = []  # compile="auto": beside serving
         self.llms: dict[str, LLMWorker] = {}
         self.clients: dict[str, LocalLLM] = {}  # each LLM's one way in
         self.residency = Residency(
@@ -173,12 +175,24 @@ class LLMEngine:
         step takes ~50 s on 2 cores, a warm one ~7 s; start-up must not wait for either),
         and the thread ends with it, taking its OpenMP team along."""
         if self.config.compile == "auto":
-            threading.Thread(
+            thread = threading.Thread(
                 target=self._compile_now, args=(worker, sizes), name=f"trae-compile-{worker.name}",
                 daemon=True,
-            ).start()  # fmt: skip
+            )  # fmt: skip
+            self._compiling.append(thread)
+            thread.start()
         else:
             self._compile_now(worker, sizes)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for the compiles ``compile="auto"`` runs beside serving (benchmarks that
+        time the compiled path, tests); whether none is left running."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in list(self._compiling):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            thread.join(left)
+        self._compiling = [t for t in self._compiling if t.is_alive()]
+        return not self._compiling
 
     def _compile_now(self, worker: LLMWorker, sizes: tuple[int, ...]) -> None:
         def prepare() -> float:

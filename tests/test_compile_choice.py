@@ -10,7 +10,6 @@ import shutil
 import pytest
 from test_engine import MAX_NEW, assert_parity, prompts
 
-from conftest import wait_until
 from trae_groups.engine.compile_choice import auto_compile_reason, compile_sizes
 from trae_groups.engine.config import AUTO_COMPILE_SIZES, COMPILE_ENV, EngineConfig
 from trae_groups.engine.engine import LLMEngine
@@ -62,7 +61,7 @@ def test_auto_compiles_batch_one_with_greedy_parity(llama_dir, monkeypatch):
     assert auto_compile_reason(worker.runner) is None
     ps = prompts(n=3, seed=11, lo=4, hi=30)
     with engine.start():  # serving starts eagerly; the compile finishes on a thread
-        wait_until(lambda: worker.runner.compiled is not None, "the batch-1 compile", 600)
+        assert engine.wait_compiled(timeout=600)
         compiled = worker.runner.compiled
         assert compiled.sizes == list(AUTO_COMPILE_SIZES)
         outs = [engine.generate([p], SamplingParams(max_tokens=MAX_NEW))[0] for p in ps]
