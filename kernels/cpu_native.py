@@ -144,34 +144,27 @@ def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int] | None:
     return cache.stride(0), cache.stride(1), cache.stride(2)
 
 
-def supports(query: torch.Tensor, k_cache, v_cache) -> bool:
-    """Whether the kernels take this layer: CPU, float32/bf16 plain caches (a ``QuantKV``
-    is no tensor), matching strides, and a head shape within the kernel's bounds."""
+def stores(rows: torch.Tensor, k_cache, v_cache) -> bool:
+    """Whether ``store_kv`` takes these: CPU rows in float32/bf16, plain caches (a
+    ``QuantKV`` is no tensor) of the same dtype with matching strides."""
     if not isinstance(k_cache, torch.Tensor) or not isinstance(v_cache, torch.Tensor):
         return False
-    if query.device.type != "cpu" or query.dtype not in _SUFFIX or library() is None:
+    if rows.device.type != "cpu" or rows.dtype not in _SUFFIX or library() is None:
         return False
-    if k_cache.dtype != query.dtype or v_cache.dtype != query.dtype:
+    if k_cache.dtype != rows.dtype or v_cache.dtype != rows.dtype:
         return False
     strides = _cache_strides(k_cache)
-    if strides is None or strides != _cache_strides(v_cache):
+    return strides is not None and strides == _cache_strides(v_cache)
+
+
+def supports(query: torch.Tensor, k_cache, v_cache) -> bool:
+    """Whether ``decode_attention`` takes this layer: what ``stores`` asks, and a head
+    shape within the kernel's bounds."""
+    if not stores(query, k_cache, v_cache):
         return False
     heads, dim, kv_heads = query.shape[1], query.shape[2], k_cache.shape[2]
     max_group, max_dim = _limits
     return heads % kv_heads == 0 and heads // kv_heads <= max_group and dim <= max_dim
-
-
-def stores(key: torch.Tensor, k_cache, v_cache) -> bool:
-    """Whether ``store_kv`` takes these: CPU, float32/bf16 plain caches with matching
-    strides, the new rows in the caches' dtype."""
-    if not isinstance(k_cache, torch.Tensor) or not isinstance(v_cache, torch.Tensor):
-        return False
-    if key.device.type != "cpu" or key.dtype not in _SUFFIX or library() is None:
-        return False
-    if k_cache.dtype != key.dtype or v_cache.dtype != key.dtype:
-        return False
-    strides = _cache_strides(k_cache)
-    return strides is not None and strides == _cache_strides(v_cache)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
