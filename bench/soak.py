@@ -265,7 +265,7 @@ def main() -> int:
     (root / "soak.yaml").write_text(GRAPH.format(root=root))
     (root / "chat.yaml").write_text(CHAT.format(root=root))
     # the budget holds dialog and the embedder but not spare too: spare swaps in and out
-    (root / "mixed.yaml").write_text(MIXED.format(root=root, budget="1MiB"))
+    (root / "mixed.yaml").write_text(MIXED.format(root=root, budget="2MiB"))
     port = loadgen.free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "TRAE_ADMIN_TOKEN": TOKEN}
@@ -274,8 +274,9 @@ def main() -> int:
          str(root / "soak.yaml"), str(root / "chat.yaml"), str(root / "mixed.yaml"),
          "--port", str(port),
          "--pool-bytes", "32MiB", "--no-access-log"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=env, stdout=(root / "server.log").open("wb"), stderr=subprocess.STDOUT,
     )  # fmt: skip
+    print(f"server log: {root / 'server.log'}", flush=True)
     soak = Soak(url, root, random.Random(args.seed))
     rows = []
     try:

@@ -84,9 +84,17 @@ def load_auto(
     reference: LoadedModel | None = None
     refused: list[str] = []
     for choice in options[:-1]:
-        reference = reference or store.load(path, task, dtype=torch.float32, **load_kwargs)
         loaded = store.load(path, task, dtype=choice.dtype, quantize=choice.quantize,
                             **load_kwargs)  # fmt: skip
+        if loaded.loads > 1:
+            # the store already holds this instance for another graph, node or version: it
+            # serves in these weights (gated then, or asked for by name), and its forward may
+            # be ours by now, which the gate's transformers forward cannot run
+            if reference is not None:
+                store.unload_model(reference)
+            why = loaded.choice or f"{choice.label} (already loaded so by another graph)"
+            return loaded, AutoDecision(replace(choice), why)
+        reference = reference or store.load(path, task, dtype=torch.float32, **load_kwargs)
         result = _gate(reference, loaded, task, bound, eval_set)
         if result.passed:
             why = f"{choice.label} ({choice.reason}); gate passed: {result.detail}"

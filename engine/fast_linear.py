@@ -43,6 +43,8 @@ DEFAULT_BATCH_HINT = 32
 # rows 111 against 160 ms for the model's 120 linears, at 256 rows 190 against 284. Fewer rows
 # (decode steps) stay on the packed bf16 weight, which is twice as fast as anything else there.
 # Accumulation is float32 either way; the output is rounded to the model's dtype as before.
+# The cost: the plain weight is held beside the packed one (twice the weight memory, counted
+# in the weight store), so it is done only where it pays: not on CPUs with AMX (upcast_pays).
 UPCAST_ROWS = 96
 
 
@@ -187,18 +189,32 @@ def _packable(module: nn.Module, dtypes: frozenset[torch.dtype]) -> bool:
     )
 
 
-def pack_linears(model: nn.Module, batch_hint: int | None = DEFAULT_BATCH_HINT) -> int:
+def upcast_pays() -> bool:
+    """Whether large half-precision row counts should multiply in float32 (UPCAST_ROWS):
+    on CPUs without AMX, where bf16 matmuls run at about half the float32 rate. With AMX,
+    bf16 is the fast path and no plain copy of the weight is kept."""
+    from trae_groups.engine.hardware import detect
+
+    return not detect("cpu").bf16_matrix_units
+
+
+def pack_linears(
+    model: nn.Module, batch_hint: int | None = DEFAULT_BATCH_HINT, upcast_large: bool | None = None
+) -> int:
     """Replace every plain ``nn.Linear`` in ``model`` with a ``PackedLinear``; return how many.
 
     Covers the lm_head. A tied lm_head gets its own packed copy while the input embedding keeps
     the original tensor, so embedding lookups are unaffected (the tie is broken: packing is the
-    last step before inference). A Linear shared by several parents is packed once. Call
+    last step before inference). A Linear shared by several parents is packed once.
+    ``upcast_large`` (default: ``upcast_pays()``) keeps half-precision weights' plain tensors
+    for the float32 path of large row counts: twice the weight memory for them. Call
     ``torch.set_num_threads`` before this (oneDNN and MKL share one pool). Returns 0 where oneDNN
     is unavailable, leaving the model as it was.
     """
     dtypes = packable_dtypes()
     if not dtypes:
         return 0
+    upcast = upcast_pays() if upcast_large is None else upcast_large
     packed: dict[int, PackedLinear] = {}
     targets = [
         (parent, name, child)
@@ -209,6 +225,6 @@ def pack_linears(model: nn.Module, batch_hint: int | None = DEFAULT_BATCH_HINT) 
     ]
     for parent, name, child in targets:
         if id(child) not in packed:
-            packed[id(child)] = PackedLinear.from_linear(child, batch_hint)
+            packed[id(child)] = PackedLinear(child.weight, child.bias, batch_hint, upcast)
         setattr(parent, name, packed[id(child)])
     return len(packed)

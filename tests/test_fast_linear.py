@@ -184,3 +184,16 @@ def test_float32_keeps_no_plain_weight():
     packed = PackedLinear.from_linear(nn.Linear(8, 4))
     assert packed.plain_weight is None
     assert [name for name, _ in packed.held_tensors()] == ["packed_weight"]
+
+
+@pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="CPU lacks oneDNN bf16")
+@pytest.mark.parametrize("amx", [False, True])
+def test_plain_weights_are_kept_only_where_upcasting_pays(monkeypatch, amx):
+    """With AMX, bf16 matmuls are the fast path at every row count: no plain copy is held."""
+    from trae_groups.engine import hardware
+
+    flags = {"avx512_bf16", "amx_bf16"} if amx else {"avx512_bf16"}
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: frozenset(flags))
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4)).to(torch.bfloat16)
+    assert pack_linears(model) == 2
+    assert all((m.plain_weight is None) == amx for m in model)

@@ -142,6 +142,23 @@ def test_auto_keeps_a_candidate_that_passes_the_gate(llama_dir):
     assert store.report()[0].choice == loaded.choice
 
 
+def test_auto_reuses_an_instance_already_serving_without_gating_it_again(llama_dir):
+    """A second graph (or node, or version) with dtype auto on a folder the store already
+    holds gets that instance: its forward may be ours by then (fused projections), which the
+    gate's transformers forward cannot run, and its weights were decided already."""
+    from trae_groups.engine.flat_forward import FlatForward
+
+    store = WeightStore()
+    hw = Hardware("cpu", frozenset({"avx512_bf16"}))
+    first, _ = load_auto(store, llama_dir, "generate", hw, dtype_auto=True, quant_auto=False)
+    first.model.trae_flat = FlatForward(first.model)  # what preparing it for the engine does
+    again, decision = load_auto(store, llama_dir, "generate", hw, dtype_auto=True,
+                                quant_auto=False)  # fmt: skip
+    assert again is first and first.loads == 2
+    assert decision.chosen.label == "bfloat16" and decision.why == first.choice
+    assert [(r.dtype, r.quantize) for r in store.report()] == [("bfloat16", None)]
+
+
 @needs_int8
 def test_gate_refuses_a_broken_quantization_and_falls_back(llama_dir, monkeypatch, caplog):
     real = quant.quantize_weight
