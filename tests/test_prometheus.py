@@ -37,6 +37,15 @@ nodes:
   explode: {function: "graph_functions:explode", args: {text: "{{ inputs.text }}"}}
 outputs: {never: explode}
 """
+LATE = """
+name: late
+timeout: 0.05s
+on_deadline: finish
+inputs: {s: float}
+nodes:
+  nap: {function: "graph_functions:slow_async", args: {seconds: "{{ inputs.s }}"}}
+outputs: {done: nap}
+"""
 # Grafana's variables, as the dashboard's defaults resolve them on a 1 s scrape
 VARIABLES = {"$__rate_interval": "15s", "$graph": ".+"}
 METRIC = re.compile(r"\b(trae_[a-z_]+|inference_latency[a-z_]*|device_utilization)\b")
@@ -87,8 +96,9 @@ def test_the_files_parse_and_promtool_accepts_them():
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("prometheus")
     (root / "fails.yaml").write_text(FAILS)
+    (root / "late.yaml").write_text(LATE)
     app = create_app(
-        [build_support(root), root / "fails.yaml"],
+        [build_support(root), root / "fails.yaml", root / "late.yaml"],
         ServerConfig(engine=EngineConfig(pool_bytes=8 << 20)),
     )
     with ServerThread(app) as running:
@@ -147,7 +157,8 @@ def prometheus(server, tmp_path):
 
 
 def load(url: str, stop: threading.Event, limit: int = 2000) -> None:
-    """Requests one after another until stopped: answers, and node failures (500)."""
+    """Requests one after another until stopped: answers, node failures (500) and
+    answers past their deadline."""
     with httpx.Client(base_url=url, timeout=120) as http:
         for i in range(limit):
             if stop.is_set():
@@ -155,6 +166,7 @@ def load(url: str, stop: threading.Event, limit: int = 2000) -> None:
             http.post("/v1/graphs/support", json={"inputs": {"text": f"where is order {i}"}})
             if i % 4 == 0:
                 http.post("/v1/graphs/fails", json={"inputs": {"text": "x"}})
+                http.post("/v1/graphs/late", json={"inputs": {"s": 0.1}})
 
 
 def test_rules_load_and_every_dashboard_query_returns_data(server, prometheus):
@@ -192,8 +204,9 @@ def test_rules_load_and_every_dashboard_query_returns_data(server, prometheus):
         return set(rules) == ALERTS and all(r["health"] == "ok" for r in rules.values())
 
     wait_until(evaluated, "every alert rule to load and evaluate", seconds=60, interval=0.5)
-    five_xx = prometheus.get(
-        "/api/v1/query",
-        params={"query": 'sum(trae_graph_requests_total{graph="fails", code="500"})'},
-    ).json()["data"]["result"]
-    assert float(five_xx[0]["value"][1]) > 0  # what TraeServerErrors reads is there
+    # what TraeServerErrors and TraeDeadlineMisses read holds real events, not only zeros
+    for query in ('sum(trae_graph_requests_total{graph="fails", code="500"})',
+                  'sum(trae_graph_deadline_misses_total{graph="late", action="late"})',
+                  'sum(trae_node_errors_total{graph="fails", node="explode"})'):  # fmt: skip
+        found = prometheus.get("/api/v1/query", params={"query": query}).json()["data"]["result"]
+        assert found and float(found[0]["value"][1]) > 0, query
