@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
@@ -19,6 +20,7 @@ from trae_groups.engine.llm_worker import LLMWorker
 from trae_groups.engine.outputs import OutputStream
 from trae_groups.engine.protocol import (
     EncodeRequest,
+    EnginePhases,
     GenerateRequest,
     GenerationChunk,
     ModelStats,
@@ -213,4 +215,21 @@ def as_chunk(out: RequestOutput) -> GenerationChunk:
         None if out.delta_logprobs is None else tuple(out.delta_logprobs),
         None if out.prompt_logprobs is None else tuple(out.prompt_logprobs),
         out.index,
+        phases_of(out) if out.finished else None,
+    )
+
+
+def phases_of(out: RequestOutput) -> EnginePhases | None:
+    """The output's monotonic phase times (engine/outputs.py) on the wall clock, read in
+    the process that took them."""
+    m = out.metrics or {}
+    if m.get("arrival") is None:
+        return None
+    offset = time.time() - time.monotonic()
+    wall = lambda t: None if t is None else t + offset  # noqa: E731
+    return EnginePhases(
+        wall(m["arrival"]),
+        wall(m.get("first_scheduled")),
+        wall(m.get("first_token_time")),
+        wall(m.get("last_token_time")),
     )

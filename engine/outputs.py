@@ -90,6 +90,8 @@ class Outputs:
                 "preemptions": seq.preemptions,
                 "arrival": seq.arrival,
                 "first_token_time": seq.first_token_time,
+                "first_scheduled": seq.first_scheduled,
+                "last_token_time": seq.last_token_time,
             },
             delta_logprobs=self._delta_logprobs(seq),
             index=seq.index,

@@ -98,6 +98,18 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class EnginePhases:
+    """When the engine took one generation through its phases, in epoch seconds (so they
+    compare across processes): it received the request, a step first took it (the queue
+    ends, prefill starts), its first token, its last one. Traces draw them."""
+
+    received: float
+    scheduled: float | None
+    first_token: float | None
+    last_token: float | None
+
+
+@dataclass(frozen=True)
 class GenerationChunk:
     """What one generation produced since the previous chunk. ``completion_tokens``
     counts every token so far; the last chunk has ``finished`` set. ``logprobs``: one
@@ -117,6 +129,7 @@ class GenerationChunk:
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     index: int = 0  # which of the prompt's sequences (SamplingParams.n, best_of)
+    phases: EnginePhases | None = None  # on the last chunk of an engine's generation
 
     def merge(self, later: GenerationChunk) -> GenerationChunk:
         """This chunk followed by ``later``, as one (for grouping across a boundary)."""
@@ -136,6 +149,7 @@ class GenerationChunk:
             logprobs,
             self.prompt_logprobs or later.prompt_logprobs,
             later.index,
+            later.phases or self.phases,
         )
 
 

@@ -68,6 +68,7 @@ class NodeRecord:
     error: str | None = None
     reason: str | None = None
     usage: dict = field(default_factory=dict)  # generate nodes: tokens, prompt_tokens, ...
+    phases: Any = None  # generate nodes: the engine's EnginePhases, for traces
 
     @property
     def ms(self) -> float | None:
@@ -408,7 +409,10 @@ class GraphExecutor:
         """One node's work: render its templates, then its kind runs it."""
         payload = self.graph.templates[name].render(request.context if context is None else context)
         call = self._node_call(request, name, payload, **extra)
-        return await KINDS[call.node.kind].run(call)
+        try:
+            return await KINDS[call.node.kind].run(call)
+        finally:
+            request.records[name].phases = call.engine.get("phases")
 
     # -- streamed edges ---------------------------------------------------------
     async def _follow(self, request: _Request, name: str, on_text) -> Any:

@@ -24,6 +24,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from trae_groups.graphs.compile import Excused, check_graph, issues_from
 from trae_groups.graphs.deploy import Autoscaling, DeploySpec, GroupSpec, IngressSpec
 from trae_groups.graphs.errors import GraphValidationError, Location, SourceMap, ValidationIssue
+from trae_groups.graphs.monitoring import HistogramSpec, MonitoringSpec
 from trae_groups.graphs.resources import ResourcesSpec
 from trae_groups.graphs.spec import (
     KINDS,
@@ -47,7 +48,7 @@ _LABELS = {"[key]", "message-list", "message-template", *NODE_KINDS}
 _LABELS |= {"str", "int", "float", "bool", "list", "dict", "list[str]"}
 _SPEC_CLASSES: tuple[type[BaseModel], ...] = (
     GraphSpec, ModelSpec, InputSpec, GenerateParams, MessageTemplate, SharingPolicy,
-    DeploySpec, GroupSpec, IngressSpec, Autoscaling, ResourcesSpec, *(kind.spec for kind in KINDS.values()),
+    DeploySpec, GroupSpec, IngressSpec, Autoscaling, ResourcesSpec, MonitoringSpec, HistogramSpec, *(kind.spec for kind in KINDS.values()),
 )  # fmt: skip
 _FIELDS = sorted({name for cls in _SPEC_CLASSES for name in cls.model_fields} | {"kind"})
 

@@ -160,6 +160,9 @@ class NodeCall:
     #: straight to the client as token events: the nodes that follow it (graphs/streams.py).
     on_text: Callable[[str, int], None] | None = None
     max_tokens: int | None = None  # the request's cap on a generate node's own max_tokens
+    #: What the engine reported about this call beyond its result (a generation's phases,
+    #: for traces: graphs/tracing.py); filled by the kind's run, read by the executor
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def work_id(self) -> str:
@@ -445,6 +448,8 @@ async def _generate(call: NodeCall) -> dict:
             last = chunk
     if last is None or last.error:
         raise RuntimeError(last.error if last else "no output")
+    if last.phases is not None:
+        call.engine["phases"] = last.phases
     if last.finish_reason == "abort":
         raise RuntimeError("generation was aborted")
     if last.finish_reason == "deadline":

@@ -29,6 +29,7 @@ from trae_groups.engine.chat import TOOL_CALL_FORMATS
 from trae_groups.engine.config import QUANTIZATIONS
 from trae_groups.graphs.deploy import DeploySpec
 from trae_groups.graphs.errors import SourceMap
+from trae_groups.graphs.monitoring import MonitoringSpec
 from trae_groups.graphs.nodes import (
     KIND_TASKS,
     KINDS,
@@ -317,6 +318,7 @@ class GraphSpec(Spec):
     outputs: dict[Annotated[str, Field(min_length=1)], Reference] = {}
     deploy: DeploySpec = DeploySpec()
     resources: ResourcesSpec = ResourcesSpec()
+    monitoring: MonitoringSpec = MonitoringSpec()  # histogram buckets (graphs/monitoring.py)
 
     _source: SourceMap | None = PrivateAttr(None)
 

@@ -12,7 +12,10 @@ says: the request span is named ``graph <name>`` (its parent is the request's W3
 ``traceparent`` header when it sends one), each node's span ``node <name>`` with its kind,
 model, version, adapter, status (ok, skipped, failed, default, cancelled, cut), the
 reason it was skipped, and for a generate node the tokens, prompt tokens and finish
-reason.
+reason. Inside a generate node's span, the engine's phases (``EnginePhases``, the times its
+last output reports) are child spans ``queued`` (received to first scheduled), ``prefill``
+(to the first token) and ``decode`` (to the last token, with the finish reason), and the
+node span has the events ``first token`` and ``finished``.
 """
 
 from __future__ import annotations
@@ -158,4 +161,41 @@ def _node_span(name, node, record, versions, clock, context, Status, StatusCode)
     )
     if record.status == "failed":
         span.set_status(Status(StatusCode.ERROR, record.error or "failed"))
-    span.end(end_time=max(start, clock.ns(record.finished)) if record.finished else start)
+    end = max(start, clock.ns(record.finished)) if record.finished else start
+    if record.phases is not None:
+        _phase_spans(span, record.phases, record.usage.get("finish_reason"), start, end)
+    span.end(end_time=end)
+
+
+#: A generation's phases as child spans: (name, from, to) over EnginePhases' fields
+PHASES = (
+    ("queued", "received", "scheduled"),
+    ("prefill", "scheduled", "first_token"),
+    ("decode", "first_token", "last_token"),
+)
+
+
+def _phase_spans(node_span, phases, finish_reason, start: int, end: int) -> None:
+    """The engine's phases inside a node's span (times clamped into it: the engine's
+    clock is read in its own process)."""
+    from opentelemetry.trace import set_span_in_context
+
+    inside = set_span_in_context(node_span)
+
+    def ns(seconds: float) -> int:
+        return min(end, max(start, int(seconds * 1e9)))
+
+    for name, begin, until in PHASES:
+        a, b = getattr(phases, begin), getattr(phases, until)
+        if a is None or b is None:
+            continue
+        attributes = (
+            {"trae.finish_reason": finish_reason} if name == "decode" and finish_reason else {}
+        )
+        child = _tracer.start_span(name, context=inside, start_time=ns(a), attributes=attributes)
+        child.end(end_time=max(ns(a), ns(b)))
+    if phases.first_token is not None:
+        node_span.add_event("first token", timestamp=ns(phases.first_token))
+    if phases.last_token is not None:
+        finished = {"trae.finish_reason": finish_reason} if finish_reason else {}
+        node_span.add_event("finished", attributes=finished, timestamp=ns(phases.last_token))

@@ -83,7 +83,8 @@ def test_one_request_is_a_graph_span_with_a_child_per_node(root, exporter):
     assert answer.status_code == 200
     body = answer.json()
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    assert set(spans) == {"graph traced", "node intent", "node reply", "node never"}
+    phases = {name for name, _begin, _end in tracing.PHASES}  # inside the reply's span
+    assert set(spans) == {"graph traced", "node intent", "node reply", "node never", *phases}
     graph = spans["graph traced"]
     assert format(graph.context.trace_id, "032x") == TRACE_ID  # the caller's trace
     assert format(graph.parent.span_id, "016x") == PARENT_SPAN
@@ -104,6 +105,39 @@ def test_one_request_is_a_graph_span_with_a_child_per_node(root, exporter):
     assert never["trae.node.reason"] == "condition is false"
     ms = (spans["node reply"].end_time - spans["node reply"].start_time) / 1e6
     assert ms == pytest.approx(body["nodes"]["reply"]["ms"], abs=1.0)  # the record's own time
+
+
+def test_a_generate_node_span_holds_the_engine_phases(root, exporter):
+    config = ServerConfig(engine=EngineConfig(pool_bytes=16 << 20))
+    with (
+        ServerThread(create_app([root / "traced.yaml"], config)) as server,
+        httpx.Client(base_url=server.url, timeout=120) as client,
+    ):
+        answer = client.post("/v1/graphs/traced", json={"inputs": {"text": "hello"}})
+    assert answer.status_code == 200
+    spans = exporter.get_finished_spans()
+    reply = next(s for s in spans if s.name == "node reply")
+    children = [
+        s for s in spans if s.parent is not None and s.parent.span_id == reply.context.span_id
+    ]
+    assert [s.name for s in sorted(children, key=lambda s: s.start_time)] == [
+        "queued", "prefill", "decode",
+    ]  # fmt: skip
+    queued, prefill, decode = sorted(children, key=lambda s: s.start_time)
+    assert reply.start_time <= queued.start_time <= queued.end_time <= prefill.start_time
+    assert prefill.start_time <= prefill.end_time <= decode.start_time
+    assert decode.start_time <= decode.end_time <= reply.end_time
+    finish = reply.attributes["trae.node.finish_reason"]
+    assert decode.attributes["trae.finish_reason"] == finish
+    events = {e.name: e for e in reply.events}
+    assert set(events) == {"first token", "finished"}
+    assert events["first token"].timestamp == prefill.end_time == decode.start_time
+    assert events["finished"].timestamp == decode.end_time
+    assert events["finished"].attributes["trae.finish_reason"] == finish
+    intent = next(s for s in spans if s.name == "node intent")  # an encoder: no phases
+    assert not [
+        s for s in spans if s.parent is not None and s.parent.span_id == intent.context.span_id
+    ]
 
 
 def test_without_a_traceparent_the_request_starts_its_own_trace(root, exporter):
@@ -186,4 +220,5 @@ def test_trae_serve_otlp_endpoint_sends_the_spans_to_a_collector(root):
         for resource in request.resource_spans:
             for scope in resource.scope_spans:
                 names |= {span.name for span in scope.spans}
-    assert names == {"graph traced", "node intent", "node reply", "node never"}
+    phases = {name for name, _begin, _end in tracing.PHASES}  # from the engine's own process
+    assert names == {"graph traced", "node intent", "node reply", "node never", *phases}

@@ -176,11 +176,13 @@ def _load_runtime(paths: Sequence[str], config) -> tuple[Any, list[Any]]:
 def cmd_validate(args: argparse.Namespace) -> int:
     from trae_groups.graphs.errors import GraphValidationError
     from trae_groups.graphs.loader import load_graph
+    from trae_groups.serving.buckets import histogram_buckets
 
     failed = False
     for path in args.graphs:
         try:
             spec = load_graph(path)
+            histogram_buckets([spec])  # monitoring: names only the server knows
             issues = [] if args.skip_models else _missing_models(spec)
             if args.functions:
                 from trae_groups.graphs.compile import resolve_functions

@@ -30,6 +30,7 @@ from trae_groups.graphs.compile import CompiledGraph, compile_graph
 from trae_groups.graphs.executor import GraphExecutor
 from trae_groups.graphs.spec import GraphSpec, PythonNode
 from trae_groups.serving.admission import NodeTimes, ServiceRate
+from trae_groups.serving.buckets import histogram_buckets
 from trae_groups.serving.http_errors import not_found, unavailable
 from trae_groups.serving.http_io import LargeBodies
 from trae_groups.serving.metrics import Metrics, NodeInfo
@@ -200,7 +201,7 @@ class AppState:
         ModelRuntime in this process; on Ray, the cluster's engine groups."""
         self.config = config
         self._make_runtime = runtime
-        self.metrics = Metrics()
+        self.metrics = Metrics(histogram_buckets(spec for spec, _path in graphs))
         # loads, unloads and reloads: on threads that end (engine/passing_threads.py)
         self.model_work = PassingThreads("trae-models")
         self.large_bodies = LargeBodies(

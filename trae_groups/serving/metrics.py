@@ -52,9 +52,14 @@ class NodeInfo:
 
 
 class Metrics:
-    """Every metric of one app; the server calls the ``observe_*`` methods."""
+    """Every metric of one app; the server calls the ``observe_*`` methods. ``buckets``:
+    histogram name -> upper bounds, for those of ``HISTOGRAM_BUCKETS`` that change."""
 
-    def __init__(self) -> None:
+    def __init__(self, buckets: Mapping[str, Iterable[float]] | None = None) -> None:
+        unknown = sorted(set(buckets or {}) - set(HISTOGRAM_BUCKETS))
+        if unknown:
+            raise ValueError(f"buckets: not histograms of ours: {', '.join(unknown)}")
+        self.buckets = {**HISTOGRAM_BUCKETS, **{k: tuple(v) for k, v in (buckets or {}).items()}}
         r = self.registry = CollectorRegistry()
         graph, node = ["graph"], ["graph", "node"]
         versioned = [*node, "version"]  # the model version the node ran ("" for python nodes)
@@ -78,11 +83,11 @@ class Metrics:
         )
         self.latency = Histogram(
             "trae_graph_latency_seconds", "Graph request latency (run time)", graph,
-            buckets=LATENCY_BUCKETS, registry=r,
+            buckets=self.buckets["trae_graph_latency_seconds"], registry=r,
         )  # fmt: skip
         self.inference_latency = Histogram(
             "inference_latency", "Graph inference latency in milliseconds", graph,
-            buckets=INFERENCE_MS_BUCKETS, registry=r,
+            buckets=self.buckets["inference_latency"], registry=r,
         )  # fmt: skip
         self.node_runs = Counter(
             "trae_node_runs", "Node outcomes (ok, skipped, failed, default, cancelled)",
@@ -94,13 +99,13 @@ class Metrics:
         )  # fmt: skip
         self.node_latency = Histogram(
             "trae_node_latency_seconds", "Node run time, start to result", versioned,
-            buckets=LATENCY_BUCKETS, registry=r,
+            buckets=self.buckets["trae_node_latency_seconds"], registry=r,
         )  # fmt: skip
         self.node_queue = Histogram(
             "trae_node_queue_seconds",
             "Time from the request's start to the node's start (waiting for its parents; "
             "time in the engine's queue is trae_engine_queue_seconds, per model)",
-            versioned, buckets=LATENCY_BUCKETS, registry=r,
+            versioned, buckets=self.buckets["trae_node_queue_seconds"], registry=r,
         )  # fmt: skip
         self.deadline_misses = Counter(
             "trae_graph_deadline_misses",
@@ -170,7 +175,7 @@ class Metrics:
         graphs: Callable[[], Mapping[str, Mapping[str, NodeInfo]]],
         ready: Callable[[], bool],
     ) -> EngineCollector:
-        collector = EngineCollector(stats, graphs, ready)
+        collector = EngineCollector(stats, graphs, ready, self.buckets)
         self.registry.register(collector)
         return collector
 
@@ -231,7 +236,9 @@ class EngineCollector(Collector):
         stats: Callable[[], Mapping[str, EngineStats]],
         graphs: Callable[[], Mapping[str, Mapping[str, NodeInfo]]],
         ready: Callable[[], bool],
+        buckets: Mapping[str, tuple[float, ...]] | None = None,
     ):
+        self._buckets = buckets or {}  # a graph's monitoring: section's, by histogram name
         self._stats = stats  # replica -> its engine's stats ("local" in one process)
         self._graphs = graphs
         self._ready = ready
@@ -344,7 +351,8 @@ class EngineCollector(Collector):
             family = HistogramMetricFamily(name, doc, labels=["model"])
             for model, m in (llms if among == "llm" else models).items():
                 key = (replica, window, model)
-                hist = self._window(key, buckets, m.windows.get(window, Window()))
+                bounds = self._buckets.get(name, buckets)
+                hist = self._window(key, bounds, m.windows.get(window, Window()))
                 family.add_metric([model], hist.buckets(), hist.total)
             yield family
 
@@ -376,6 +384,16 @@ _WINDOWS = (
     ("trae_llm_batch_tokens", "Tokens per LLM step (prefill chunks plus decodes)",
      "batch_tokens", BATCH_BUCKETS, "llm"),
 )  # fmt: skip
+
+#: The histograms whose bounds a graph's ``monitoring:`` section may set, and their
+#: defaults (graphs/monitoring.py reads the section; serving/buckets.py checks it).
+HISTOGRAM_BUCKETS: dict[str, tuple[float, ...]] = {
+    "trae_graph_latency_seconds": LATENCY_BUCKETS,
+    "inference_latency": INFERENCE_MS_BUCKETS,
+    "trae_node_latency_seconds": LATENCY_BUCKETS,
+    "trae_node_queue_seconds": LATENCY_BUCKETS,
+    **{name: buckets for name, _doc, _window, buckets, _among in _WINDOWS},
+}
 
 
 def _llm_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:

@@ -103,6 +103,8 @@ def _operations(graph_names: list[str]) -> dict[str, dict]:
         "/health": {"get": _op("Liveness", {"200": _ok("alive")})},
         "/ready": {"get": _op("Readiness: models loaded", {"200": _ok("ready"), **errors(503)})},
         "/metrics": {"get": _op("Prometheus metrics", {"200": _ok("metrics")})},
+        "/v1/stats": {"get": _op("What the live graph page draws", {"200": _ok("stats")})},
+        "/dashboard": {"get": _op("The live graph page (HTML)", {"200": _ok("the page")})},
         "/v1/graphs": {"get": _op("List graphs", {"200": _ok("graphs")})},
         "/v1/graphs/{name}": {
             "parameters": [name],

@@ -8,7 +8,8 @@ Shutting down first answers 503 to new requests, lets the ones in flight finish
 within a grace period, then stops the engine. docs/serving.md is the guide.
 
 Routes live by concern: graph_api (runs, schemas), openai_api (OpenAI-compatible),
-this module (operations: health, readiness, metrics, admin) and openapi.
+this module (operations: health, readiness, metrics, admin), dashboard (the live graph
+page and its JSON) and openapi.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from trae_groups.graphs.loader import load_graph
 from trae_groups.graphs.routing import RouteError, check_split, parse_split, with_weight
 from trae_groups.graphs.spec import GraphSpec
 from trae_groups.graphs.types import slug
-from trae_groups.serving import graph_api, openai_api
+from trae_groups.serving import dashboard, graph_api, openai_api
 from trae_groups.serving.app_state import AppState, ServerConfig
 from trae_groups.serving.http_errors import (
     HTTPError,
@@ -309,6 +310,8 @@ def create_app(
         Route("/health", health),
         Route("/ready", ready),
         Route("/metrics", metrics),
+        Route("/v1/stats", dashboard.stats),
+        Route("/dashboard", dashboard.dashboard),
         Route("/openapi.json", openapi),
         Route("/v1/graphs", graph_api.list_graphs),
         Route("/v1/graphs/{name}", graph_api.get_graph, methods=["GET"]),
