@@ -67,7 +67,7 @@ def test_decode_bf16_within_rounding_of_float32():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_equals_the_reference_and_skips_padding(dtype):
-    q, k, v, kc, vc, batch, _, _ = make_case([1, 3, 5], [2, 9, 5], 4, 2, page=4, dim=8)
+    _, k, v, kc, vc, batch, _, _ = make_case([1, 3, 5], [2, 9, 5], 4, 2, page=4, dim=8)
     k, v = k.to(dtype), v.to(dtype)
     ours_k, ours_v = _strided(kc.to(dtype)), _strided(vc.to(dtype))
     ref_k, ref_v = kc.to(dtype), vc.to(dtype)
