@@ -14,6 +14,7 @@ from trae_groups.engine.memory_pool import KVLayout, MemoryPool, PoolStats
 from trae_groups.engine.outputs import OutputStream
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.sequence import RequestOutput
+from trae_groups.engine.spec_config import SpeculativeConfig
 from trae_groups.engine.worker import Urgency, Worker
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "RequestError",
     "RequestOutput",
     "SamplingParams",
+    "SpeculativeConfig",
     "Urgency",
     "Worker",
 ]

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from trae_groups.engine.deadlines import POLICIES
+from trae_groups.engine.spec_config import SpeculativeConfig
 from trae_groups.kernels.kv_quant import KV_STORAGE
 
 DEFAULT_LOAD_WAIT_S = 60.0
@@ -108,6 +109,9 @@ class EngineConfig:
     load_wait_s: float | None = None
     max_constraint_bytes: int = DEFAULT_MAX_CONSTRAINT_BYTES
     constraint_cache_bytes: int = DEFAULT_CONSTRAINT_CACHE_BYTES
+    # speculative decoding of every causal LM (a graph sets it per model): None is off;
+    # engine/speculative.py has the methods, ranges and defaults
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self):
         if self.dtype not in ENGINE_DTYPES:
@@ -155,6 +159,8 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be >= 1")
         if self.load_wait_s is not None and self.load_wait_s <= 0:
             raise ValueError("load_wait_s: must be > 0")
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError("speculative: must be a SpeculativeConfig (or None)")
         if self.page_bytes is not None and (self.page_bytes < 64 or self.page_bytes % 64):
             raise ValueError("page_bytes: must be a positive multiple of 64")
 

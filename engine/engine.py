@@ -24,6 +24,7 @@ from trae_groups.engine.clients import LocalLLM
 from trae_groups.engine.compile_choice import auto_compile_reason, compile_sizes
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.deadlines import Priority
+from trae_groups.engine.draft import DraftProposer, same_vocabulary
 from trae_groups.engine.errors import EngineError, EngineStopped, ModelLoadError, RequestError
 from trae_groups.engine.hardware import detect
 from trae_groups.engine.llm_runner import ATTN_NAME, kv_layout, prepare_forward
@@ -36,6 +37,7 @@ from trae_groups.engine.protocol import EngineStats, GenerateRequest, WeightStat
 from trae_groups.engine.residency import Residency
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.sequence import RequestOutput
+from trae_groups.engine.spec_config import SpeculativeConfig
 from trae_groups.engine.weights import WeightStore
 from trae_groups.engine.worker import Worker
 from trae_groups.kernels import select_backend
@@ -235,10 +237,12 @@ class LLMEngine:
         max_tokens_limit: int | None = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> LLMWorker:
         """Load a causal LM (or take one already loaded with our attention) onto the
         engine; ``max_num_seqs``, ``max_prompt_tokens``, ``max_tokens_limit``,
-        ``max_loras`` and ``max_lora_rank`` override the engine's for this model."""
+        ``max_loras``, ``max_lora_rank`` and ``speculative`` override the engine's for
+        this model."""
         if name in self.loop.workers:
             raise ValueError(f"a model named {name!r} is already on this engine")
         if model is None and self.config.dtype == "auto" and self.config.quantization is None:
@@ -261,10 +265,14 @@ class LLMEngine:
             "max_tokens_limit": max_tokens_limit,
             "max_loras": max_loras,
             "max_lora_rank": max_lora_rank,
+            "speculative": speculative,
         }
         config = dataclasses.replace(
             self.config, **{k: v for k, v in overrides.items() if v is not None}
         )
+        if config.speculative is not None and config.speculative.draft == name:
+            config = dataclasses.replace(config, speculative=None)  # a draft drafts for others
+        drafter = self._drafter(name, config.speculative, model, tokenizer)
         worker = LLMWorker(
             name,
             model,
@@ -274,6 +282,7 @@ class LLMEngine:
             self.backend,
             self.loop.wake,
             cache_key=cache_key or (name, str(path)),
+            drafter=drafter,
         )
         sizes = compile_sizes(config, worker.runner)
         if config.compile == "auto" and not sizes:
@@ -290,6 +299,28 @@ class LLMEngine:
             self._log_capacity(worker)
         self._release_openmp()
         return worker
+
+    def _drafter(self, name: str, spec: SpeculativeConfig | None, model, tokenizer):
+        """For method "draft": the proposer of the draft model ``spec.draft``, a model
+        already on this engine with the same vocabulary (ModelLoadError otherwise)."""
+        if spec is None or spec.method != "draft":
+            return None
+        draft = self.llms.get(spec.draft)
+        if draft is None:
+            raise ModelLoadError(
+                name, f"speculative draft model {spec.draft!r} is not on this engine "
+                f"(add it first); models: {sorted(self.llms)}"
+            )  # fmt: skip
+        sizes = (
+            draft.model.config.get_text_config().vocab_size,
+            model.config.get_text_config().vocab_size,
+        )
+        if not same_vocabulary(draft.tokenizer, tokenizer, *sizes):
+            raise ModelLoadError(
+                name, f"speculative draft model {spec.draft!r} has another tokenizer; a draft "
+                "must read and write the same token ids"
+            )  # fmt: skip
+        return DraftProposer(draft.model, draft.kv, self.pool, self.backend, f"{name}/draft")
 
     def _release_openmp(self) -> None:
         """A thread other than the loop's that loaded or warmed a model gives up its OpenMP

@@ -39,6 +39,7 @@ from trae_groups.engine.memory import trim_heap
 from trae_groups.engine.protocol import EngineStats, ModelClient
 from trae_groups.engine.residency import Loaded as Resident
 from trae_groups.engine.residency import OnDemandLLM
+from trae_groups.engine.spec_config import SpeculativeConfig
 from trae_groups.engine.tasks import generates
 from trae_groups.engine.weights import LoadedModel, SharingPolicy, WeightStore, estimate_bytes
 
@@ -71,6 +72,7 @@ class ModelLoad:
     max_tokens_limit: int | None = None
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    speculative: SpeculativeConfig | None = None  # None: the engine's
     adapters: tuple[tuple[str, Path], ...] = ()
 
     @property
@@ -92,7 +94,8 @@ class ModelLoad:
         auto = self.dtype_choice(config) == "auto"
         dtype = "auto" if auto else self.torch_dtype(config)
         weights = (dtype, self.quantization, self.max_accuracy_drop)
-        limits = (self.max_prompt_tokens, self.max_tokens_limit, self.max_loras, self.max_lora_rank)
+        limits = (self.max_prompt_tokens, self.max_tokens_limit, self.max_loras,
+                  self.max_lora_rank, self.speculative)  # fmt: skip
         return (str(Path(self.folder).resolve()), self.task, *weights, self.resident, *limits)
 
     def batcher(self) -> BatcherConfig:
@@ -281,7 +284,7 @@ class ModelHost:
             name, load.folder, model=loaded.model, tokenizer=loaded.tokenizer,
             max_num_seqs=load.max_batch_size, max_prompt_tokens=load.max_prompt_tokens,
             max_tokens_limit=load.max_tokens_limit, max_loras=load.max_loras,
-            max_lora_rank=load.max_lora_rank,
+            max_lora_rank=load.max_lora_rank, speculative=load.speculative,
         )  # fmt: skip
         return self.engine.client(name), loaded
 

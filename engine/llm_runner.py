@@ -374,7 +374,7 @@ class LLMRunner:
         for item in sched.scheduled:
             seq, lo = item.seq, item.seq.num_computed
             hi = lo + item.num_new
-            tokens = seq.token_ids
+            tokens = seq.token_ids + item.draft  # proposals: KV and logits, not yet kept
             ids.extend(tokens[lo:hi])
             positions.extend(range(lo, hi))
             pages = seq.pages
@@ -386,9 +386,10 @@ class LLMRunner:
                 scored.append(PromptSpan(seq, first, len(sample_rows), count))
                 row = starts[-2] + first - lo
                 sample_rows.extend(range(row, row + count))
-            if item.samples:
-                picks.append(len(sample_rows))
-                sample_rows.append(starts[-1] - 1)
+            if item.samples:  # a verified proposal samples at each of its rows
+                for row in range(starts[-1] - 1 - len(item.draft), starts[-1]):
+                    picks.append(len(sample_rows))
+                    sample_rows.append(row)
             tables.append(pages[: -(-hi // page)])
             if self.lora is not None:
                 row_slots.extend([self.lora.slot_of(seq.adapter)] * item.num_new)

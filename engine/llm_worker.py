@@ -1,7 +1,8 @@
 """One causal LM on the engine: its scheduler, runner and sampler.
 
-``step()`` reads top to bottom: take new requests and aborts, schedule, run the
-model, sample, then update every sequence and send its output.
+``step()`` reads top to bottom: take new requests and aborts, propose tokens (speculative
+decoding, when configured), schedule, run the model, sample (verify), then update every
+sequence and send its output.
 """
 
 from __future__ import annotations
@@ -27,8 +28,15 @@ from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.outputs import Outputs, eos_ids
 from trae_groups.engine.protocol import GenerateRequest, ModelStats
 from trae_groups.engine.sampling import Sampler
-from trae_groups.engine.scheduler import Scheduler, SchedulerOutput, SchedulerSettings
+from trae_groups.engine.scheduler import (
+    ScheduledSeq,
+    Scheduler,
+    SchedulerOutput,
+    SchedulerSettings,
+)
 from trae_groups.engine.sequence import RequestOutput, Sequence
+from trae_groups.engine.speculative import Speculator
+from trae_groups.engine.verify import Verdict, verdicts_of, verify
 from trae_groups.engine.worker import Urgency, Worker
 from trae_groups.kernels import AttentionBackend
 from trae_groups.kernels.lora import select_lora_kernel
@@ -56,6 +64,7 @@ class LLMWorker(Worker):
         backend: AttentionBackend,
         wake: Callable[[], None],
         cache_key: Hashable | None = None,
+        drafter=None,  # method "draft": the draft model's proposer (engine/draft.py)
     ):
         self.name = name
         self.model = model
@@ -89,6 +98,8 @@ class LLMWorker(Worker):
         self._stalled_until = 0.0
         self._grammars: Grammars | None = None
         self.counters = LLMCounters()  # what metrics read (engine/llm_stats.py)
+        spec = config.speculative
+        self.speculator = None if spec is None else Speculator(spec, self.max_model_len, drafter)
 
     # -- submitting (any thread) ------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -280,6 +291,8 @@ class LLMWorker(Worker):
         self._take_new_and_aborts()
         self._drop_expired()
         self._load_adapters()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         if not sched:
             if self.scheduler.waiting:  # pages are held elsewhere; look again soon
@@ -298,14 +311,8 @@ class LLMWorker(Worker):
             if inputs.scored:
                 prompt_logprobs.record(inputs.scored, logits)
                 logits = inputs.sampling_logits(logits)
-            sampling = [item.seq for item in sched.scheduled if item.samples]
-            result = self.sampler(
-                logits,
-                [s.params for s in sampling],
-                [s.token_ids for s in sampling],
-                [s.generator for s in sampling],
-                self._masks(sampling),
-            )
+            sampling = [item for item in sched.scheduled if item.samples]
+            verdicts = self._sample(logits, sampling)
         except Exception as exc:  # a model failure fails this batch, not the engine
             log.exception("model %s failed a step", self.name)
             for item in sched.scheduled:
@@ -314,11 +321,26 @@ class LLMWorker(Worker):
         if self.runner.lora is not None:
             self.runner.lora.touch(i.seq.adapter for i in sched.scheduled if i.seq.adapter)
         self.counters.step(sched.num_tokens)
-        self._postprocess(sched, sampling, result)
-        prompt_tokens = sum(item.num_new for item in sched.prefills)
+        self._postprocess(sched, sampling, verdicts)
+        verifying = sum(1 for item in sched.prefills if item.draft)  # each a decode, plus k
+        prompt_tokens = sum(item.num_new for item in sched.prefills) - verifying
         self.scheduler.cost.observe(
-            len(sched.decodes), prompt_tokens, time.perf_counter() - started
+            len(sched.decodes) + verifying, prompt_tokens, time.perf_counter() - started
         )
+
+    def _sample(self, logits: torch.Tensor, sampling: list[ScheduledSeq]) -> list[Verdict]:
+        """Each sampling sequence's new tokens: one, or its verified proposals and one."""
+        seqs = [item.seq for item in sampling]
+        if any(item.draft for item in sampling):
+            return verify(self.sampler, logits, sampling, self._masks(seqs))
+        result = self.sampler(
+            logits,
+            [s.params for s in seqs],
+            [s.token_ids for s in seqs],
+            [s.generator for s in seqs],
+            self._masks(seqs),
+        )
+        return verdicts_of(result)
 
     def _note_first_scheduled(self, sched: SchedulerOutput) -> None:
         now = time.monotonic()
@@ -362,33 +384,49 @@ class LLMWorker(Worker):
             return None
         return rows, fill_masks([sampling[i].matcher for i in rows], self._grammars.words())
 
-    def _postprocess(self, sched: SchedulerOutput, sampling: list[Sequence], result) -> None:
+    def _postprocess(
+        self, sched: SchedulerOutput, sampling: list[ScheduledSeq], verdicts: list[Verdict]
+    ) -> None:
         now = time.monotonic()
         for item in sched.scheduled:
+            if item.draft:  # computed once verified, below
+                continue
             item.seq.num_computed += item.num_new
             self.scheduler.publish_full_pages(item.seq)
             if item.seq.unforked and item.samples:  # its prompt is computed: fork the rest
                 for child in forks.fork(item.seq, self.pool, self.kv.tokens_per_page):
                     self.scheduler.add(child)
-        for row, seq in enumerate(sampling):
+        for item, verdict in zip(sampling, verdicts, strict=True):
+            seq = item.seq
             if seq.params.scores_prompt_only:  # the prompt is scored: nothing to generate
                 self.scheduler.finish(seq, "length")
                 self._emit(seq)
                 continue
-            token = result.token_ids[row]
-            seq.output_token_ids.append(token)
-            if seq.params.logprobs is not None:
-                seq.logprobs.append(result.logprobs[row])
-                seq.top_logprobs.append(result.top_logprobs[row])
-            self.counters.token(seq, now)
-            reason = self.outputs.finish_reason(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
+            for token, logprob, top in zip(
+                verdict.tokens, verdict.logprobs, verdict.top_logprobs, strict=True
+            ):
+                seq.output_token_ids.append(token)
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(logprob)
+                    seq.top_logprobs.append(top)
+                self.counters.token(seq, now)
+                reason = self.outputs.finish_reason(seq, token)
+                if reason is not None:
+                    self.scheduler.finish(seq, reason)
+                    break
+            if item.draft:
+                self.speculator.record(seq, len(item.draft), verdict.accepted)
+                if not seq.finished:  # every token but the newest has its KV now
+                    seq.num_computed = seq.num_tokens - 1
+                    self.scheduler.publish_full_pages(seq)
+                    self.scheduler.settle(seq)
             self._emit(seq)
 
     # -- outputs ---------------------------------------------------------------------------
     def _emit(self, seq: Sequence, error: str | None = None) -> None:
         out = self.outputs.output(seq, error)
+        if seq.finished and self.speculator is not None:
+            self.speculator.forget(seq)
         if seq.finished:
             with self._lock:
                 first = self._live.get(seq.request_id)
@@ -424,6 +462,7 @@ class LLMWorker(Worker):
             "adapter_loads": float(lora.num_loads),
             "adapter_evictions": float(lora.num_evictions),
         }  # fmt: skip
+        spec = {} if self.speculator is None else self.speculator.stats()
         grammars = self._grammars
         constraints = {} if grammars is None else {
             "constraint_cache_bytes": float(grammars.cache_bytes),
@@ -435,7 +474,7 @@ class LLMWorker(Worker):
             "llm",
             running=s["running"],
             waiting=s["waiting"],
-            counters={**{k: float(s[k]) for k in keys}, **adapters, **constraints},
+            counters={**{k: float(s[k]) for k in keys}, **adapters, **constraints, **spec},
             windows=self.counters.windows(),
         )
 

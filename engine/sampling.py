@@ -85,6 +85,7 @@ DESCRIPTIONS: dict[str, str] = {
     "logit_bias": "added to a token's logit before sampling (-100 bans it, 100 all but forces it)",
     "n": "completions of the prompt to return (they share the prompt's pages)",
     "best_of": "completions to generate, of which the n most likely are returned (>= n)",
+    "speculative": "false: no speculative decoding for this request (same tokens either way)",
 }
 
 
@@ -112,6 +113,9 @@ class SamplingParams:
     best_of: int | None = None  # sequences generated (None: n); the caller keeps n of them
     skip_special_tokens: bool = True
     constraint: Constraint | None = None  # the output must match it (engine/constraints.py)
+    #: False: this request opts out of speculative decoding (engine/speculative.py); its
+    #: tokens are the same either way, only how many one step can yield changes
+    speculative: bool = True
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -188,7 +192,7 @@ def apply_repetition_penalty(
         logits[row, idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
 
 
-def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on a batch of rows that sample."""
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
     logits = logits / temps[:, None]
@@ -258,6 +262,29 @@ class Sampler:
         other rows are sampled exactly as without them. Logprobs (rows that ask only) are
         of the distribution sampled from: after repetition penalty, ``logit_bias`` and
         temperature, before top-k/top-p/min-p and constraint masks."""
+        scored, logits = self.adjust(logits, params, seen, masks)
+        tokens = logits.argmax(-1)
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows:
+            idx = torch.tensor(rows)
+            probs = filter_probs(logits[idx], [params[i] for i in rows])
+            tokens[idx] = self.draw(probs, [generators[i] for i in rows])
+        result = SampleResult(tokens.tolist())
+        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if asked:
+            add_logprobs(result, scored, tokens, params, asked)
+        return result
+
+    def adjust(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        seen: list[list[int]],
+        masks: tuple[list[int], torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scored, logits): float32 logits after repetition penalty and ``logit_bias``
+        (what logprobs are of), and the same with constraint masks applied (what is sampled
+        from). Speculative verification (engine/verify.py) adjusts its rows the same way."""
         logits = logits.float()
         raw = logits
         if any(p.repetition_penalty != 1.0 for p in params):
@@ -273,26 +300,24 @@ class Sampler:
             constrained = logits[rows]
             apply_masks(constrained, bits)
             logits[rows] = constrained
-        tokens = logits.argmax(-1)
-        rows = [i for i, p in enumerate(params) if not p.greedy]
-        if rows:
-            idx = torch.tensor(rows)
-            probs = _filter(logits[idx], [params[i] for i in rows])
-            uniform = 1.0 - torch.stack(  # in (0, 1]: never picks a zero-probability token
-                [torch.rand((), generator=generators[i] or self._default) for i in rows]
-            )
-            cdf = probs.cumsum(-1)
-            picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None]).squeeze(1)
-            picked = picked.clamp(max=probs.shape[-1] - 1)
-            tokens[idx] = picked
-        result = SampleResult(tokens.tolist())
-        asked = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if asked:
-            _add_logprobs(result, scored, tokens, params, asked)
-        return result
+        return scored, logits
+
+    def draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """One token per row of ``probs`` [rows, vocab], one uniform from each row's
+        generator (the sampler's own for None)."""
+        uniform = 1.0 - torch.stack(  # in (0, 1]: never picks a zero-probability token
+            [torch.rand((), generator=g or self._default) for g in generators]
+        )
+        cdf = probs.cumsum(-1)
+        picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None]).squeeze(1)
+        return picked.clamp(max=probs.shape[-1] - 1)
+
+    def uniform(self, generator: torch.Generator | None) -> float:
+        """A uniform in [0, 1) from ``generator`` (the sampler's own for None)."""
+        return float(torch.rand((), generator=generator or self._default))
 
 
-def _add_logprobs(
+def add_logprobs(
     result: SampleResult,
     logits: torch.Tensor,
     tokens: torch.Tensor,

@@ -12,6 +12,13 @@ so a long prompt cannot make every running decode wait for a whole-budget chunk.
 its pages go back (full ones stay in the prefix cache) and it is recomputed later from
 its tokens, so its output does not change. A waiting sequence that cannot run yet (its
 LoRA adapter has no slot, ``admissible``) is passed over, not waited on.
+
+Speculative decoding (engine/speculative.py): a decoding sequence with proposed tokens
+(``seq.draft``) runs as a short chunk of 1 + k tokens (its last token and the proposals)
+that samples at every row; k is cut to what the budget leaves for the decodes behind it and
+to the pages there are (no preemption for proposals). After verification ``settle`` gives
+back the pages only rejected proposals used; the prefix cache only ever publishes pages of
+verified tokens.
 """
 
 from __future__ import annotations
@@ -48,13 +55,15 @@ PROMPT_STRETCH = 3.0
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new: int  # tokens whose KV this step computes
+    num_new: int  # tokens whose KV this step computes (proposed ones included)
     samples: bool  # the step reaches the sequence's last token: sample the next one
+    draft: list[int] = field(default_factory=list)  # proposed tokens verified this step
 
 
 @dataclass
 class SchedulerOutput:
-    """Decodes (one token each) first, then prefill chunks: the kernel's order."""
+    """Decodes (one token each) first, then prefill chunks (verified proposals among them):
+    the kernel's order."""
 
     decodes: list[ScheduledSeq] = field(default_factory=list)
     prefills: list[ScheduledSeq] = field(default_factory=list)
@@ -155,9 +164,11 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
+            draft: list[int] = []
             if seq.is_decode:
                 decodes_left -= 1
-                num_new = 1
+                draft = self._take_draft(seq, budget - decodes_left - 1, decodes_left)
+                num_new = 1 + len(draft)
             else:  # a prompt chunk leaves room for the decodes behind it
                 room = min(budget - decodes_left, prompt_left)
                 if cap is not None and self.waiting:  # held: share it with the waiting
@@ -168,7 +179,7 @@ class Scheduler:
                 prompt_left -= num_new
             if not self._reserve_or_preempt(seq, num_new, out):
                 continue
-            self._add_to(out, seq, num_new, capped)
+            self._add_to(out, seq, num_new, capped, draft)
             budget -= num_new
         while (
             self.waiting and budget > 0 and prompt_left > 0
@@ -200,11 +211,13 @@ class Scheduler:
         """Prompt tokens the step may still take when a prompt in it completes (its first
         token is someone's time to first token): what the target allows beside the step's
         decodes and sampling rows, less the prompt tokens already in; else no limit."""
-        sampling = sum(1 for item in out.prefills if item.samples)
-        cap = self._prompt_cap(len(out.decodes) + sampling) if sampling else None
+        prompts = [item for item in out.prefills if not item.draft]
+        sampling = sum(1 for item in prompts if item.samples)
+        verifying = len(out.prefills) - len(prompts)
+        cap = self._prompt_cap(len(out.decodes) + verifying + sampling) if sampling else None
         if cap is None:
             return self.max_num_batched_tokens
-        return max(0, cap - sum(item.num_new for item in out.prefills))
+        return max(0, cap - sum(item.num_new for item in prompts))
 
     def _prompt_cap(self, decodes: int) -> int | None:
         """Prompt tokens this step may carry beside ``decodes`` running decodes (None: as
@@ -225,6 +238,28 @@ class Scheduler:
         return self.cost.prompt_budget(
             decodes, self.step_target_s, MIN_PROMPT_CHUNK, self.max_num_batched_tokens, stretch
         )
+
+    def _take_draft(self, seq: Sequence, room: int, decodes_behind: int) -> list[int]:
+        """The proposals ``seq`` verifies this step: as many as ``room`` tokens of budget
+        and the free pages allow, leaving a page for each decode behind it (proposals never
+        cause a preemption)."""
+        draft, seq.draft = seq.draft[: max(room, 0)], []
+        if not draft:
+            return draft
+        need = self.pages_needed(seq.num_computed + 1 + len(draft)) - len(seq.pages)
+        short = self.pool.num_free - need < decodes_behind  # a decode behind would preempt
+        if need > 0 and (short or not self._reserve(seq, seq.num_computed + 1 + len(draft))):
+            held = len(seq.pages) * self.page - seq.num_computed - 1  # its own pages' room
+            draft = draft[: max(held, 0)]
+        return draft
+
+    def settle(self, seq: Sequence) -> None:
+        """After a verification: pages past the sequence's tokens (rejected proposals'
+        KV) go back to the pool."""
+        keep = self.pages_needed(seq.num_tokens)
+        if len(seq.pages) > keep:
+            self.pool.release(seq.pages[keep:])
+            del seq.pages[keep:]
 
     def _next_admissible(self) -> Sequence | None:
         if self.admissible is None:
@@ -252,9 +287,16 @@ class Scheduler:
             budget -= extra
 
     def _add_to(
-        self, out: SchedulerOutput, seq: Sequence, num_new: int, capped: list[ScheduledSeq]
+        self,
+        out: SchedulerOutput,
+        seq: Sequence,
+        num_new: int,
+        capped: list[ScheduledSeq],
+        draft: list[int] | None = None,
     ) -> None:
-        item = ScheduledSeq(seq, num_new, seq.num_computed + num_new == seq.num_tokens)
+        draft = draft or []
+        reaches_end = seq.num_computed + num_new - len(draft) == seq.num_tokens
+        item = ScheduledSeq(seq, num_new, reaches_end, draft)
         (out.decodes if num_new == 1 else out.prefills).append(item)
         if num_new < seq.num_uncomputed:
             capped.append(item)
@@ -323,6 +365,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft = []
         self._release(seq)
         seq.preemptions += 1
         self.num_preemptions += 1

@@ -83,6 +83,10 @@ class Sequence:
     last_token_time: float | None = None
     admitted_seq: int = 0  # admission order, for preempting the newest first
     preemptions: int = 0
+    #: tokens proposed for the next step (engine/speculative.py); the scheduler takes them
+    #: into its ``ScheduledSeq`` and they are never part of ``token_ids`` until verified
+    draft: list[int] = field(default_factory=list)
+    spec: Any = None  # its adaptive speculation state (engine/speculative.py SpecState)
     detok_prefix: int = 0
     detok_read: int = 0
 

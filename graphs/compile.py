@@ -101,6 +101,7 @@ def check_graph(
     _check_holders(walk, dag)
     _check_outputs(walk)
     _check_deploy(walk)
+    _check_drafts(walk)
     return walk.problems, dag
 
 
@@ -374,6 +375,28 @@ def _check_deploy(walk: _Walk) -> None:
             elif model in seen:
                 walk.add(path, f"model '{model}' is in groups '{seen[model]}' and '{group}'")
             seen.setdefault(model, group)
+
+
+def _check_drafts(walk: _Walk) -> None:
+    """A ``speculative: {method: draft, draft: M}`` names another generate model of the graph,
+    one with a single ``source`` that is always resident (it runs beside the model it serves)."""
+    for name, model in walk.spec.models.items():
+        draft = model.speculative.draft if model.speculative is not None else None
+        if draft is None:
+            continue
+        path = ("models", name, "speculative", "draft")
+        other = walk.spec.models.get(draft)
+        if other is None:
+            if draft not in walk.excused.models:
+                walk.add(path, f"model '{name}': unknown draft model '{draft}'"
+                         f"{_suggest(draft, walk.spec.models)}")  # fmt: skip
+        elif draft == name:
+            walk.add(path, f"model '{name}' cannot be its own draft model")
+        elif other.task != "generate":
+            walk.add(path, f"model '{name}': draft model '{draft}' is a {other.task} model")
+        elif other.source is None or other.resident == "on_demand":
+            walk.add(path, f"model '{name}': draft model '{draft}' needs one source and "
+                     "to stay resident (no versions, not on_demand)")  # fmt: skip
 
 
 def _suggest(name: str, known: Iterable[str]) -> str:

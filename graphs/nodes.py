@@ -306,6 +306,7 @@ class GenerateParams(Spec):
     repetition_penalty: float = sampling_field("repetition_penalty")
     stop: NameList = sampling_field("stop")
     seed: int | None = sampling_field("seed")
+    speculative: bool = sampling_field("speculative")
 
     @model_validator(mode="after")
     def _stops(self) -> GenerateParams:

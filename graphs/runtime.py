@@ -10,6 +10,7 @@ holds: this process's ``ModelRuntime``, or the Ray ingress's engine groups.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Hashable, Iterable
 from pathlib import Path
@@ -21,6 +22,7 @@ from trae_groups.engine.host import ModelHost, ModelLoad, SharingPolicy
 from trae_groups.engine.protocol import EngineStats, ModelClient
 from trae_groups.engine.weights import has_tokenizer
 from trae_groups.graphs.compile import CompiledGraph, compile_graph, resolve_functions
+from trae_groups.graphs.errors import GraphValidationError, ValidationIssue
 from trae_groups.graphs.executor import GraphExecutor
 from trae_groups.graphs.resources import apply as apply_resources
 from trae_groups.graphs.routing import RouteError, VersionedModel, check_split
@@ -82,6 +84,7 @@ def model_load(spec: GraphSpec, name: str, version: str, folder: Path | None = N
         max_tokens_limit=model.max_tokens_limit,
         max_loras=model.max_loras,
         max_lora_rank=model.max_lora_rank,
+        speculative=model.speculative.config() if model.speculative is not None else None,
         adapters=adapters,
     )
 
@@ -100,6 +103,44 @@ def check_constrainable(spec: GraphSpec) -> None:
                     f"model {node.model!r} has no tokenizer, so node {name!r}'s "
                     "output_schema cannot be constrained",
                 )
+
+
+def check_drafts(spec: GraphSpec) -> None:
+    """A draft model reads and writes the token ids of the model it drafts for: their
+    tokenizers' vocabularies must be equal, or the graph fails to load at the line of its
+    ``draft:``."""
+    for name, model in spec.models.items():
+        draft = model.speculative.draft if model.speculative is not None else None
+        if draft is None:
+            continue
+        theirs = _vocabulary(spec.model_path(draft, "default"))
+        for version in model.sources:
+            if (
+                version in model.version_adapters
+                or _vocabulary(spec.model_path(name, version)) == theirs
+            ):
+                continue
+            where = ("models", name, "speculative", "draft")
+            message = (
+                f"model {name!r}: draft model {draft!r} has another tokenizer; a draft must "
+                "read and write the same token ids"
+            )
+            source = spec.source
+            issue = (
+                source.issue(where, message)
+                if source
+                else ValidationIssue(spec.name, None, None, message)
+            )
+            raise GraphValidationError([issue])
+
+
+def _vocabulary(folder: Path) -> dict[str, int] | None:
+    """A model folder's tokenizer vocabulary (None: it has no tokenizer)."""
+    if not Path(folder).is_dir() or not has_tokenizer(folder):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder).get_vocab()
 
 
 def versioned_models(
@@ -164,6 +205,12 @@ def load_clients(
     keyed by (model, version), loaded onto ``host``: a version that is an adapter is a
     client of its own on its base's model."""
     chosen = [n for n in spec.models if names is None or n in set(names)]
+    drafts = {
+        model.speculative.draft
+        for name, model in spec.models.items()
+        if name in chosen and model.speculative is not None and model.speculative.draft
+    }
+    chosen = [*drafts, *(n for n in chosen if n not in drafts)]  # a draft loads first
     wanted: list[tuple[Hashable, str, ModelLoad]] = []
     for name in chosen:
         for version in spec.models[name].sources:
@@ -176,7 +223,14 @@ def load_clients(
                     f"model {name!r}: an environment variable in its source is not set",
                 )
             wanted.append(((name, version), engine_name(name, version), load))
-    clients = host.load(wanted, spec.name)
+    clients = host.load([w for w in wanted if w[0][0] in drafts], spec.name)
+    for i, ((name, version), engine, load) in enumerate(wanted):
+        speculative = spec.models[name].speculative
+        if speculative is not None and speculative.draft:  # the draft's name on the engine
+            draft = clients[(speculative.draft, "default")].name
+            load = dataclasses.replace(load, speculative=speculative.config(draft))
+            wanted[i] = ((name, version), engine, load)
+    clients |= host.load([w for w in wanted if w[0][0] not in drafts], spec.name)
     for name in chosen:
         model = spec.models[name]
         base = next(v for v in model.sources if v not in model.version_adapters)
@@ -238,6 +292,7 @@ class ModelRuntime:
         graph = spec if isinstance(spec, CompiledGraph) else compile_graph(spec)
         functions = resolve_functions(graph.spec)
         check_constrainable(graph.spec)
+        check_drafts(graph.spec)
         clients = self.load_models(graph.spec)
         models = versioned_models(graph.spec, clients)
         executor = GraphExecutor(graph, models, functions)

@@ -27,6 +27,7 @@ from typing_extensions import TypedDict  # pydantic needs it before Python 3.12
 
 from trae_groups.engine.chat import TOOL_CALL_FORMATS
 from trae_groups.engine.config import QUANTIZATIONS
+from trae_groups.engine.spec_config import DEFAULT_MAX_BATCH, DEFAULT_NUM_TOKENS, SpeculativeConfig
 from trae_groups.graphs.deploy import DeploySpec
 from trae_groups.graphs.errors import SourceMap
 from trae_groups.graphs.monitoring import MonitoringSpec
@@ -81,6 +82,29 @@ class AdapterVersion(Spec):
     adapter: str = Field(min_length=1)
 
 
+class SpeculativeSpec(Spec):
+    """A generate model's ``speculative:`` (engine/spec_config.py has the methods, ranges and
+    defaults; the engine's checks are the ones applied here). ``draft``: another generate
+    model of the graph (graphs/compile.py checks it exists; its tokenizer is compared with
+    this model's when the graph's models load)."""
+
+    method: str = "ngram"
+    num_tokens: int = DEFAULT_NUM_TOKENS
+    max_batch: int = DEFAULT_MAX_BATCH
+    draft: str | None = None  # method "draft": the graph's model that proposes
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeculativeSpec:
+        self.config()
+        return self
+
+    def config(self, draft: str | None = None) -> SpeculativeConfig:
+        """The engine's setting; ``draft``: the draft model's name on the engine (default:
+        its name in the graph)."""
+        name = draft or self.draft
+        return SpeculativeConfig(self.method, self.num_tokens, self.max_batch, name)
+
+
 class ModelSpec(Spec):
     """A model the graph uses: where its weights are and what it can do.
 
@@ -119,6 +143,8 @@ class ModelSpec(Spec):
     # generate models: how replies write tool calls on the OpenAI routes; None: read from
     # the chat template (engine/chat.py tool_call_format)
     tool_call_parser: ToolCallFormat | None = None
+    # generate models: speculative decoding (docs/engine.md); unset: the engine's setting
+    speculative: SpeculativeSpec | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -147,6 +173,7 @@ class ModelSpec(Spec):
                 "max_loras",
                 "max_lora_rank",
                 "tool_call_parser",
+                "speculative",
             )
             if getattr(self, f)
         ]

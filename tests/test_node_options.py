@@ -46,6 +46,7 @@ ROWS: dict[str, dict[str, Any]] = {
         "repetition_penalty": 1.3,
         "stop": ["zq"],
         "seed": 1234,
+        "speculative": False,
     },
     "python": {},
 }

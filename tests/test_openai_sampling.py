@@ -344,6 +344,9 @@ SHARED: dict[str, list[Check]] = {
                           lambda a, b: usage(a) == 1 and a["choices"][0]["finish_reason"] == "stop"),
                    effect(FORCE_EOS, lambda a, b: usage(a) == 6)],
     "timeout": [deadline],
+    # same tokens either way; that it stops proposals: test_speculative_config.py
+    "speculative": [effect({"speculative": False}, lambda a, b: text(a) == text(b)),
+                    refused({"speculative": 3}, "speculative")],
     "n": [effect({"n": 2}, lambda a, b: len(a["choices"]) == 2), refused({"n": 33}, "n")],
     "stream": [streams],
     "stream_options": [stream_usage,

@@ -125,6 +125,11 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
         "MS milliseconds, by the model's measured step cost; 0: no limit (default: %(default)s)",
     )  # fmt: skip
     group.add_argument(
+        "--speculative", default=None, metavar="METHOD[:K]",
+        help="speculative decoding for every generate model whose graph sets none: ngram "
+        "(prompt lookup), K tokens proposed per step (default: off; see docs/engine.md)",
+    )  # fmt: skip
+    group.add_argument(
         "--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
         help="what KV pages hold: auto (the model's dtype), int8, fp8 (CUDA 8.9+)",
     )  # fmt: skip
@@ -153,6 +158,13 @@ def _engine_config(args: argparse.Namespace):
         "gpu_memory_reservation": args.gpu_memory_reservation,
         "kv_cache_dtype": args.kv_cache_dtype,
     }
+    if getattr(args, "speculative", None):
+        from trae_groups.engine.spec_config import SpeculativeConfig
+
+        try:
+            changes["speculative"] = SpeculativeConfig.parse(args.speculative)
+        except ValueError as exc:
+            raise SystemExit(f"--speculative: {exc}") from None
     changes = {k: v for k, v in changes.items() if v is not None}
     # 0 turns the step-time target off (None in the config)
     changes["step_time_target_ms"] = args.step_time_target_ms or None
@@ -332,7 +344,12 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     runtime, executors = _load_runtime(args.graphs, config)
     try:
         reports = runtime.store.report()
-        on_demand = runtime.stats().residency
+        engine_stats = runtime.stats()
+        on_demand = engine_stats.residency
+        speculating = {  # speculative decoding: each model's setting and what it did
+            name: {k: v for k, v in m.counters.items() if k.startswith("spec_")}
+            for name, m in engine_stats.models.items() if "spec_num_tokens" in m.counters
+        }  # fmt: skip
         adapters = runtime.adapter_report()
         users = _model_users(executors)
     finally:
@@ -379,7 +396,8 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     held = runtime.store.total_bytes()
     adapter_bytes = sum(a.bytes for found in adapters.values() for a in found)
     if args.json:
-        _print_json({"models": rows, "held_bytes": held, "adapter_bytes": adapter_bytes})
+        _print_json({"models": rows, "held_bytes": held, "adapter_bytes": adapter_bytes,
+                     "speculative": speculating})  # fmt: skip
         return 0
     _print_table(rows)
     naive = sum(r.bytes for r in reports)
@@ -388,6 +406,12 @@ def cmd_model_info(args: argparse.Namespace) -> int:
         print("on-demand models load at their first request: bytes are estimates from files")
     if adapter_bytes:
         print(f"LoRA adapters: {_mib(adapter_bytes)} (in slots when requests use them)")
+    for name, c in speculating.items():
+        print(
+            f"speculative decoding: {name}: ngram, {c['spec_num_tokens']:g} tokens a step, "
+            f"accepted {c['spec_accepted_tokens']:g} of {c['spec_proposed_tokens']:g} proposed "
+            f"({c['spec_acceptance_rate']:.0%}), {c['spec_drafting_seconds']:.3f} s drafting"
+        )
     return 0
 
 

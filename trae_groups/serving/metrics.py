@@ -440,6 +440,29 @@ def _llm_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
         for model, m in stats.items():
             family.add_metric([model], m.counters.get(key, 0.0))
         yield family
+    yield from _speculative_metrics(stats)
+
+
+def _speculative_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
+    """Speculative decoding (engine/speculative.py), for the models that speculate."""
+    families = [
+        (CounterMetricFamily, "trae_llm_spec_proposed_tokens",
+         "Tokens proposed by speculative decoding and verified", "spec_proposed_tokens"),
+        (CounterMetricFamily, "trae_llm_spec_accepted_tokens",
+         "Proposed tokens the model agreed with (kept)", "spec_accepted_tokens"),
+        (CounterMetricFamily, "trae_llm_spec_drafting_seconds",
+         "Time spent proposing tokens", "spec_drafting_seconds"),
+        (CounterMetricFamily, "trae_llm_spec_off_steps",
+         "Steps without speculation because the batch was large", "spec_off_steps"),
+        (GaugeMetricFamily, "trae_llm_spec_acceptance_rate",
+         "Accepted over proposed tokens since start", "spec_acceptance_rate"),
+    ]  # fmt: skip
+    for kind, name, doc, key in families:
+        family = kind(name, doc, labels=["model"])
+        for model, m in stats.items():
+            if key in m.counters:
+                family.add_metric([model], m.counters[key])
+        yield family
 
 
 def _encoder_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:

@@ -125,6 +125,7 @@ class _Sampling(Structured):
     stop: str | list[str] | None = None
     seed: int | None = sampling_field("seed")
     ignore_eos: bool = Field(False, description="extension: keep generating past EOS")
+    speculative: bool = sampling_field("speculative")  # extension: opt out with false
     timeout: float | None = Field(
         None, gt=0, description="extension: seconds to the request's deadline (docs/serving.md)"
     )
@@ -558,6 +559,7 @@ def _params(
         seed=body.seed,
         stop=body.stops(),
         ignore_eos=body.ignore_eos,
+        speculative=body.speculative,
         constraint=constraint,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
