@@ -29,7 +29,7 @@ KV_CACHE_DTYPES = ("auto", *KV_STORAGE)
 MODEL_FORWARDS = ("auto", "transformers")
 COMPILE_MODES = (True, False, "auto")
 # What compile="auto" compiles: the single-stream decode step, where a step's Python and
-# small-op glue is the largest share (compiled: ~0.75-0.8x of an eager SmolLM2 batch-1 step)
+# small-op glue is the largest share (compiled: 0.89-0.93x of an eager SmolLM2 batch-1 step)
 # and one size costs ~40 s of start-up cold, a few seconds with inductor's cache warm. Larger
 # batches are matmul-bound and gain less per second of start-up (docs/performance.md).
 AUTO_COMPILE_SIZES = (1,)
