@@ -30,8 +30,9 @@ MODEL_FORWARDS = ("auto", "transformers")
 COMPILE_MODES = (True, False, "auto")
 # What compile="auto" compiles: the single-stream decode step, where a step's Python and
 # small-op glue is the largest share (compiled: 0.89-0.93x of an eager SmolLM2 batch-1 step)
-# and one size costs ~50 s of compile cold, ~7 s with inductor's cache warm, run beside serving. Larger
-# batches are matmul-bound and gain less per second of start-up (docs/performance.md).
+# and one size costs ~50 s of compile cold, ~7 s with inductor's cache warm, run beside
+# serving. Larger batches are matmul-bound and gain less per second of compile
+# (docs/performance.md).
 AUTO_COMPILE_SIZES = (1,)
 # "0" turns compile="auto" off for a process and the engine processes it starts (the test
 # suite sets it; a user who wants the fastest start-up may too); explicit True/False win
