@@ -290,7 +290,9 @@ class HeldRestart(EngineProcessRuntime):
 
 
 def test_a_dead_engine_process_answers_503_with_the_reason_then_recovers(root):
-    app = create_app([root / "saga.yaml", root / "tale.yaml"], config(), runtime=HeldRestart.for_specs)
+    app = create_app(
+        [root / "saga.yaml", root / "tale.yaml"], config(), runtime=HeldRestart.for_specs
+    )
     with ServerThread(app) as server, httpx.Client(base_url=server.url, timeout=120) as c:
         engine = engine_of(server)
         first = engine.pid
