@@ -238,11 +238,15 @@ class LLMEngine:
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
         speculative: SpeculativeConfig | None = None,
+        on_demand: bool = False,
     ) -> LLMWorker:
         """Load a causal LM (or take one already loaded with our attention) onto the
         engine; ``max_num_seqs``, ``max_prompt_tokens``, ``max_tokens_limit``,
         ``max_loras``, ``max_lora_rank`` and ``speculative`` override the engine's for
-        this model."""
+        this model. ``on_demand``: it is resident on demand (evicted and loaded again), so
+        ``compile="auto"`` leaves it eager: torch keeps a compiled graph's artifacts after
+        the model is gone (~6,000 Python objects and a few MB per load, measured), and
+        each load would pay the compile again."""
         if name in self.loop.workers:
             raise ValueError(f"a model named {name!r} is already on this engine")
         if model is None and self.config.dtype == "auto" and self.config.quantization is None:
@@ -266,6 +270,7 @@ class LLMEngine:
             "max_loras": max_loras,
             "max_lora_rank": max_lora_rank,
             "speculative": speculative,
+            "compile": False if on_demand and self.config.compile == "auto" else None,
         }
         config = dataclasses.replace(
             self.config, **{k: v for k, v in overrides.items() if v is not None}
@@ -285,7 +290,9 @@ class LLMEngine:
             drafter=drafter,
         )
         sizes = compile_sizes(config, worker.runner)
-        if config.compile == "auto" and not sizes:
+        if on_demand and self.config.compile == "auto":
+            log.info("model %s: decode stays eager: it is resident on demand", name)
+        elif config.compile == "auto" and not sizes:
             log.info("model %s: decode stays eager: %s", name, auto_compile_reason(worker.runner))
         if sizes:
             if self._pool_sized:  # a model added while serving: now, before it takes work

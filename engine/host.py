@@ -277,7 +277,9 @@ class ModelHost:
             self._bar.update(1)
         return loaded
 
-    def _load_llm(self, name: str, load: ModelLoad) -> tuple[LocalLLM, LoadedModel]:
+    def _load_llm(
+        self, name: str, load: ModelLoad, on_demand: bool = False
+    ) -> tuple[LocalLLM, LoadedModel]:
         """A causal LM loaded and put on the engine: its client and its store entry."""
         loaded = self._load_weights(load, name, attn_implementation=ATTN_NAME)
         self.engine.add_llm(
@@ -285,6 +287,7 @@ class ModelHost:
             max_num_seqs=load.max_batch_size, max_prompt_tokens=load.max_prompt_tokens,
             max_tokens_limit=load.max_tokens_limit, max_loras=load.max_loras,
             max_lora_rank=load.max_lora_rank, speculative=load.speculative,
+            on_demand=on_demand,
         )  # fmt: skip
         return self.engine.client(name), loaded
 
@@ -292,7 +295,7 @@ class ModelHost:
         """Registered with the engine's residency, loaded at its first request."""
 
         def make_resident() -> Resident:
-            client, loaded = self._load_llm(name, load)
+            client, loaded = self._load_llm(name, load, on_demand=True)
 
             def unload() -> None:
                 self.engine.remove_worker(name)  # between two steps; its cached pages return

@@ -132,7 +132,7 @@ def deploy(models: Path, tmp: Path, deploy_section: str) -> None:
     path.write_text(graph_yaml(models, deploy_section))
     options = ClusterOptions(
         graceful_shutdown_timeout_s=1, graceful_shutdown_wait_loop_s=0.1,
-        health_check_period_s=1,
+        health_check_period_s=1, autoscaling_look_back_s=2,
     )  # fmt: skip
     serve.run(build([path], ENGINE, options=options), name="trae", route_prefix="/")
 

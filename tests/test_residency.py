@@ -259,3 +259,41 @@ def test_adapters_on_an_on_demand_model_are_refused_with_the_reason(trio, tmp_pa
         assert refused.value.field == "adapters"
     finally:
         rt.shutdown()
+
+
+def test_swapping_on_demand_models_leaves_no_objects_behind_with_compile_auto(
+    trio, tmp_path, monkeypatch
+):
+    """compile="auto" leaves on-demand models eager: torch keeps a compiled graph's
+    artifacts after its model is evicted (~6,000 objects and a few MB per load before)."""
+    import gc
+
+    from trae_groups.engine.config import COMPILE_ENV
+
+    monkeypatch.delenv(COMPILE_ENV, raising=False)  # the tests' default turns "auto" off
+    root, _ = trio
+    one = estimate_bytes(root / "a", torch.float32)
+    spec = load_graph_text(graph(root, int(1.5 * one)), str(tmp_path / "trio.yaml"))
+    runtime = ModelRuntime.for_specs([spec], EngineConfig(pool_bytes=16 << 20, compile="auto"))
+    graph_run = runtime.bind(spec)
+    runtime.start()
+
+    async def rounds(n: int) -> int:
+        for _ in range(n):
+            for name in NAMES:
+                await graph_run.run({"text": "hello world"}, outputs=[name])
+        gc.collect()
+        return len(gc.get_objects())
+
+    try:
+        asyncio.run(rounds(2))  # warm: first loads, caches
+        before = asyncio.run(rounds(1))
+        after = asyncio.run(rounds(3))
+        loads = sum(r.loads for r in runtime.stats().residency.values())
+        assert runtime.engine.llms == {} or all(
+            w.runner.compiled is None for w in runtime.engine.llms.values()
+        )
+    finally:
+        runtime.shutdown()
+    assert loads == 6 * len(NAMES)  # every round evicted and loaded each model again
+    assert after - before < 1000, (before, after)  # was ~17,600 more over three rounds
