@@ -7,6 +7,7 @@ sequence and send its output.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -124,11 +125,39 @@ class LLMWorker(Worker):
             return chat.prompt_token_ids(self.tokenizer, request.prompt, request.inlined)
         return self.encode(request.prompt)
 
+    @functools.cached_property
+    def _chars_per_token_bound(self) -> int:
+        """No token of this tokenizer covers more characters than this: its longest
+        vocabulary entry, times 4 for normalizers that fold several characters into one."""
+        vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+        return 4 * max((len(piece) for piece in vocab), default=1)
+
+    def _refuse_text_past_any_tokenization(self, request: GenerateRequest) -> None:
+        """Text so long that no tokenization could fit it in ``max_prompt_tokens`` is
+        refused before the tokenizer reads it (a 1 MB prompt costs it about a second)."""
+        if self.tokenizer is None:
+            return
+        if isinstance(request.prompt, str):
+            chars = len(request.prompt)
+        elif request.messages is not None:
+            chars = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0
+                        for m in request.messages if isinstance(m, dict))  # fmt: skip
+        else:
+            return
+        fewest = chars // self._chars_per_token_bound
+        if fewest > self.max_prompt_tokens:
+            raise RequestError(
+                "prompt",
+                f"has {chars} characters, at least {fewest} tokens; model {self.name!r} "
+                f"takes at most {self.max_prompt_tokens} (max_prompt_tokens)",
+            )
+
     def submit(self, request: GenerateRequest, sink: Callable[[RequestOutput], None]) -> None:
         """Validate, then queue; ``sink`` gets each output on the engine thread. Raises
         RequestError before any work is done."""
         params, request_id, adapter = request.params, request.request_id, request.adapter
         salt = self._adapter_salt(adapter)
+        self._refuse_text_past_any_tokenization(request)
         tokens = self.encode(self.prompt_tokens(request))  # still text: no tokenizer, refused
         if not tokens:
             raise RequestError("prompt", "is empty")
