@@ -113,6 +113,27 @@ def test_references_beside_ngram_rows_and_opted_out_rows(llama_dir):
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
 
 
+def test_preemption_and_a_tiny_token_budget_keep_the_output(llama_dir):
+    ps = prompts(n=10, seed=24, lo=20, hi=40)
+    params = SamplingParams(max_tokens=MAX_NEW)
+    with engine({"m": llama_dir}) as plain:
+        want = plain.generate(ps, params)
+    refs = [Reference(tuple(w.token_ids), num_tokens=8) for w in want]
+    # 12 pages of 16 tokens cannot hold 10 sequences of ~50 tokens
+    cfg = dict(pool_bytes=12 * 8192, enable_prefix_cache=False)
+    with engine({"m": llama_dir}, **cfg) as eng:
+        got = eng.generate(ps, params, references=refs)
+        assert eng.llms["m"].scheduler.num_preemptions > 0
+        assert eng.llms["m"].speculator.counters.reference_accepted > 0
+        assert eng.pool.stats().used_pages == 0
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    with engine({"m": llama_dir}, max_num_batched_tokens=9) as eng:
+        got = eng.generate(ps, params, references=refs)
+        assert max(eng.llms["m"].counters.batch_tokens) <= 9  # proposals count in it
+        assert eng.llms["m"].speculator.counters.reference_accepted > 0
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
 def test_a_reference_of_bad_token_ids_is_refused(llama_dir):
     from trae_groups.engine.errors import RequestError
 
