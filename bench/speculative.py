@@ -16,13 +16,16 @@ through the model's chat template, greedy:
     first one's reply (to (b), generated once, before timing) and asking to fix its grammar,
     with prompt lookup (``ngram``) over that prompt;
 (c) graph: the real two-LLM graph (``GRAPH``) through the graph executor, one request at a
-    time (batch 1): ``reply`` answers the question, ``rewrite`` fixes the reply's grammar;
-    once plain and once with ``speculative: {method: follows}`` on ``rewrite`` (its model
-    sets no speculation: only that node drafts, from the reply's text). Measured: the
-    rewrite node's generated tokens over its time (its node record), acceptance of the
-    proposals, and whether every rewrite is the same text with and without. Its engine
-    decodes eagerly (``--compile`` waits for compile="auto" first); a verifying step always
-    runs eagerly.
+    time (batch 1): ``reply`` answers the question, a second node fixes the reply's grammar,
+    in three variants: plain; with ``speculative: {method: follows}`` (its model sets no
+    speculation: only that node drafts, from the reply's text); and with prompt lookup
+    (the same weights as a second model of the graph that sets ``ngram``). Measured:
+    the rewrite node's generated tokens over its time (its node record: prefill and
+    decode), acceptance of the proposals, and whether every rewrite is the same text as
+    the plain one.
+
+Engines decode eagerly (``--compile``: compile="auto", waited for before timing, so no
+compile runs beside the measurement); a verifying step always runs eagerly.
 
 For each workload and batch size: generated tokens per second with and without, their ratio,
 the acceptance rate and tokens per verifying step, and whether every output is the same token
@@ -227,7 +230,7 @@ def main() -> None:
         "--only", choices=["engine", "graph"], default=None,
         help="engine: workloads (a), (b), (c) on the engine; graph: (c) through a graph",
     )  # fmt: skip
-    parser.add_argument("--compile", action="store_true", help="graph: wait for compile=auto")
+    parser.add_argument("--compile", action="store_true", help="wait for compile=auto first")
     args = parser.parse_args()
     print(f"load average at start: {os.getloadavg()}")
     if args.only != "graph":
@@ -243,11 +246,18 @@ def measure_engine(args) -> None:
     spec = SpeculativeConfig(num_tokens=args.num_tokens)
     if args.max_batch is not None:
         spec = SpeculativeConfig(num_tokens=args.num_tokens, max_batch=args.max_batch)
+    compile_ = "auto" if args.compile else False
     config = EngineConfig(
-        dtype=args.dtype, pool_bytes=256 << 20, num_threads=args.threads, speculative=spec
+        dtype=args.dtype,
+        pool_bytes=256 << 20,
+        num_threads=args.threads,
+        speculative=spec,
+        compile=compile_,
     )
     print(f"engine workloads: {spec}")
     with LLMEngine({"m": args.model}, config) as engine:
+        if args.compile:
+            engine.wait_compiled()
         workloads = {
             "extraction": [encode(engine, extraction(m)) for m in MESSAGES],
             "free chat": [encode(engine, chat(q)) for q in QUESTIONS],
