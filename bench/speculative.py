@@ -17,7 +17,7 @@ through the model's chat template, greedy:
     with prompt lookup (``ngram``) over that prompt;
 (c) graph: the real two-LLM graph (``GRAPH``) through the graph executor, one request at a
     time (batch 1): ``reply`` answers the question, a second node fixes the reply's grammar,
-    in three variants: plain; with ``speculative: {method: follows}`` (its model sets no
+    in three variants that run one after another on the same reply (``after:``): plain; with ``speculative: {method: follows}`` (its model sets no
     speculation: only that node drafts, from the reply's text); and with prompt lookup
     (the same weights as a second model of the graph that sets ``ngram``). Measured:
     the rewrite node's generated tokens over its time (its node record: prefill and
@@ -83,9 +83,10 @@ def rewrite(reply: str) -> list[dict]:
 
 
 REWRITE_ASK = "Fix the grammar of this text and repeat it in full.\n\nText: "
-#: (c) as a graph: two generate nodes on the demo's model; the rewrite comes in three
-#: variants, one per output: ``plain``, ``followed`` (``speculative: {method: follows}``) and
-#: ``looked_up`` (prompt lookup: the same weights as a second model that sets ``ngram``)
+#: (c) as a graph: two generate nodes on the demo's model, the rewrite in three variants that
+#: run one after another on the same reply (``after:``), each alone on the engine (batch 1):
+#: ``plain``, ``followed`` (``speculative: {method: follows}``) and ``looked_up`` (prompt
+#: lookup: the same weights as a second model of the graph that sets ``ngram``)
 GRAPH = """\
 name: rewrite
 models:
@@ -106,10 +107,12 @@ nodes:
     messages: [{{role: user, content: {ask}}}]
     params: {{max_tokens: {new}}}
     speculative: {{method: follows, num_tokens: {k}}}
+    after: [plain]
   looked_up:
     model: lookup
     messages: [{{role: user, content: {ask}}}]
     params: {{max_tokens: {new}}}
+    after: [followed]
 outputs: {{plain: plain.text, followed: followed.text, looked_up: looked_up.text}}
 """
 VARIANTS = {"followed": "llm", "looked_up": "lookup"}  # the speculating ones, and their model
@@ -161,7 +164,7 @@ def measure(engine, name: str, prompts, new: int, rounds: int) -> None:
 
 def measure_graph(args) -> None:
     """(c) through the graph executor, batch 1: the rewrite node plain, with follows and
-    with prompt lookup."""
+    with prompt lookup, on the same reply."""
     ask = json.dumps(REWRITE_ASK + "{{ reply.text }}")
     text = GRAPH.format(model=args.model, new=args.new, ask=ask, k=args.num_tokens)
     spec = load_graph_text(text, "rewrite.yaml")
@@ -176,31 +179,30 @@ def measure_graph(args) -> None:
         rt.start()
         if args.compile:
             rt.engine.wait_compiled()
-
-        def once(question: str, variant: str) -> tuple[str, int, float]:
-            result = asyncio.run(executor.run({"question": question}, outputs=[variant]))
-            record = result.nodes[variant]
-            return result.outputs[variant], record.usage["tokens"], record.ms / 1000
-
+        run = lambda question: asyncio.run(executor.run({"question": question}))  # noqa: E731
         for question in QUESTIONS:  # prompts and replies in the prefix cache, as in measure
-            for variant in variants:
-                once(question, variant)
+            run(question)
         workers = {v: rt.engine.llms[executor.clients[m].name] for v, m in VARIANTS.items()}
         counters = {v: w.speculator.counters for v, w in workers.items()}
         before = {v: (c.proposed, c.accepted, c.verify_steps) for v, c in counters.items()}
         rates: dict[str, list[float]] = {v: [] for v in variants}
         same = dict.fromkeys(VARIANTS, 0)
-        for r in range(args.rounds):
-            texts: dict[str, list[str]] = {}
-            for variant in variants[r % 3 :] + variants[: r % 3]:  # each goes first in turn
-                runs = [once(q, variant) for q in QUESTIONS]
-                texts[variant] = [t for t, _, _ in runs]
-                rates[variant].append(sum(n for _, n, _ in runs) / sum(s for *_, s in runs))
-            for v in VARIANTS:
-                same[v] += sum(a == b for a, b in zip(texts["plain"], texts[v], strict=True))
+        for _ in range(args.rounds):
+            tokens, seconds = dict.fromkeys(variants, 0), dict.fromkeys(variants, 0.0)
+            for question in QUESTIONS:
+                result = run(question)
+                for v in variants:
+                    tokens[v] += result.nodes[v].usage["tokens"]
+                    seconds[v] += result.nodes[v].ms / 1000
+                for v in VARIANTS:
+                    same[v] += result.outputs[v] == result.outputs["plain"]
+            for v in variants:
+                rates[v].append(tokens[v] / seconds[v])
     finally:
         rt.shutdown()
     without = statistics.median(rates["plain"])
+    each = "; ".join(f"{v} " + " ".join(f"{r:.1f}" for r in rates[v]) for v in variants)
+    print(f"graph (c) tok/s per round: {each}")
     for v, c in counters.items():
         proposed, accepted, steps = (
             a - b for a, b in zip((c.proposed, c.accepted, c.verify_steps), before[v], strict=True)
