@@ -37,7 +37,7 @@ from trae_groups.engine.protocol import EngineStats, GenerateRequest, WeightStat
 from trae_groups.engine.residency import Residency
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.sequence import RequestOutput
-from trae_groups.engine.spec_config import SpeculativeConfig
+from trae_groups.engine.spec_config import Reference, SpeculativeConfig
 from trae_groups.engine.weights import WeightStore
 from trae_groups.engine.worker import Worker
 from trae_groups.kernels import select_backend
@@ -433,17 +433,20 @@ class LLMEngine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         model: str | None = None,
         adapters: Sequence[str | None] | None = None,
+        references: Sequence[Reference | None] | None = None,
     ) -> list[RequestOutput]:
         """Blocking batch generation (``adapters``: one LoRA adapter name or None per
         prompt). With the loop thread running (serving), the requests join it; otherwise
         the engine steps right here, in the calling thread — faster for offline batches,
         as torch's OpenMP threads then serve one caller only (a second thread running
-        torch ops makes both slower)."""
+        torch ops makes both slower). ``references``: one ``Reference`` or None per prompt,
+        a text its reply is likely to copy (speculative ``follows``, engine/speculative.py)."""
         if not isinstance(params, Sequence):
             params = [params or SamplingParams()] * len(prompts)
         if any(p.num_sequences > 1 for p in params):  # one output per prompt comes back
             raise RequestError("n", "generate() returns one output per prompt; use submit()")
         adapters = [None] * len(prompts) if adapters is None else list(adapters)
+        refs = [None] * len(prompts) if references is None else list(references)
         inline = not self.loop.running
         if inline:
             self.size_pool()
@@ -465,8 +468,12 @@ class LLMEngine:
         client = self.client(model)
         ids = []
         try:
-            for i, (prompt, p, adapter) in enumerate(zip(prompts, params, adapters, strict=True)):
-                request = _request(prompt, p, None, None, adapter)
+            for i, (prompt, p, adapter, ref) in enumerate(
+                zip(prompts, params, adapters, refs, strict=True)
+            ):
+                request = dataclasses.replace(
+                    _request(prompt, p, None, None, adapter), reference=ref
+                )
                 ids.append(request.request_id)
                 client.submit(request, sink_for(i))
         except BaseException:

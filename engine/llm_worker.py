@@ -36,6 +36,7 @@ from trae_groups.engine.scheduler import (
     SchedulerSettings,
 )
 from trae_groups.engine.sequence import RequestOutput, Sequence
+from trae_groups.engine.spec_config import Reference, SpeculativeConfig
 from trae_groups.engine.speculative import Speculator
 from trae_groups.engine.verify import Verdict, verdicts_of, verify
 from trae_groups.engine.worker import Urgency, Worker
@@ -202,6 +203,8 @@ class LLMWorker(Worker):
             adapter=adapter,
             cache_salt=salt,
         )
+        if request.reference is not None:
+            seq.reference = self._reference_tokens(request.reference)
         if params.constraint is not None:  # compiled here, on the submitting thread
             seq.matcher = self.grammars().matcher(params.constraint)
         if params.num_sequences > 1:
@@ -212,6 +215,22 @@ class LLMWorker(Worker):
             self._live[request_id] = seq
             self._inbox.append(seq)
         self.wake()
+
+    def _reference_tokens(self, reference: Reference) -> Reference:
+        """The reference as this model's token ids; a model that speculates for no request
+        gets a speculator for the ones with a reference (method "follows")."""
+        text = reference.text
+        if isinstance(text, str) and self.tokenizer is None:
+            raise RequestError("reference", f"model {self.name!r} has no tokenizer; send ids")
+        tokens = tuple(self.encode(text if isinstance(text, str) else list(text)))
+        vocab = self.model.config.get_text_config().vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+            raise RequestError("reference", f"token ids must be integers in [0, {vocab})")
+        with self._lock:
+            if self.speculator is None:
+                config = SpeculativeConfig(method="follows")
+                self.speculator = Speculator(config, self.max_model_len)
+        return Reference(tokens, reference.num_tokens)
 
     # -- adapters (any thread) -----------------------------------------------------------
     @property

@@ -21,6 +21,7 @@ from trae_groups.engine.deadlines import Priority
 from trae_groups.engine.errors import RequestError
 from trae_groups.engine.memory_pool import PoolStats
 from trae_groups.engine.sampling import SamplingParams
+from trae_groups.engine.spec_config import Reference
 
 
 def new_request_id(prefix: str = "req") -> str:
@@ -79,6 +80,9 @@ class GenerateRequest:
     #: prompt template inlined them): a special token's text inside them is tokenized as
     #: plain characters (engine/chat.prompt_token_ids)
     inlined: tuple[tuple[int, int], ...] | None = None
+    #: A text the generation is likely to copy (an upstream node's reply that this one
+    #: rewrites): speculative decoding proposes from it (engine/speculative.py, "follows")
+    reference: Reference | None = None
 
     def __post_init__(self):
         if (self.prompt is None) == (self.messages is None):

@@ -87,6 +87,9 @@ class Sequence:
     #: into its ``ScheduledSeq`` and they are never part of ``token_ids`` until verified
     draft: list[int] = field(default_factory=list)
     spec: Any = None  # its adaptive speculation state (engine/speculative.py SpecState)
+    #: a text it is likely to copy, as token ids (``GenerateRequest.reference``, tokenized):
+    #: method "follows" proposes from it; forks share it (it never changes)
+    reference: Any = None
     detok_prefix: int = 0
     detok_read: int = 0
 

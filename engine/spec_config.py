@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # "ngram": prompt lookup (engine/speculative.py); "draft": another model on the same engine
-# (engine/draft.py), named by ``draft``
-METHODS = ("ngram", "draft")
+# (engine/draft.py), named by ``draft``; "follows": lookup in a text the request carries
+# (``Reference``), only for the requests that carry one (a graph's generate node declares it)
+METHODS = ("ngram", "draft", "follows")
 #: The one home of the speculative options' ranges and defaults.
 RANGES = {"num_tokens": (1, 16), "max_batch": (1, 4096)}  # integers, both ends inclusive
 DEFAULT_NUM_TOKENS = 4
@@ -44,8 +45,29 @@ class SpeculativeConfig:
         method, _, k = text.partition(":")
         if method == "draft":
             raise ValueError("method: draft names its model in the graph file, not here")
+        if method == "follows":
+            raise ValueError("method: follows is declared on a graph's generate node, not here")
         if not k:
             return cls(method=method)
         if not k.isdigit():
             raise ValueError(f"num_tokens: must be an integer, got {k!r}")
         return cls(method=method, num_tokens=int(k))
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A text one generation is likely to copy (``GenerateRequest.reference``): method
+    ``follows`` proposes from its tokens first, then from the sequence's own. A graph's
+    generate node sends the text of the node its prompt reads; the engine keeps the ids
+    its tokenizer makes of it (token ids are taken as they are)."""
+
+    text: str | tuple[int, ...]
+    num_tokens: int = DEFAULT_NUM_TOKENS  # the most tokens proposed a step
+
+    def __post_init__(self):
+        if not isinstance(self.text, str | tuple):
+            raise ValueError(f"reference: must be a text or token ids, got {self.text!r}")
+        low, high = RANGES["num_tokens"]
+        k = self.num_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not low <= k <= high:
+            raise ValueError(f"num_tokens: must be an integer in [{low}, {high}], got {k!r}")

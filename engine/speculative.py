@@ -10,7 +10,10 @@ model's distribution exactly (rejection sampling).
 Proposers: ``ngram`` (prompt lookup): the tokens that followed the latest earlier occurrence
 of the sequence's last few tokens, in its own prompt and output. It costs no model and wins
 where a reply copies its input (extraction, rewriting, code edits). ``draft``: the greedy
-guesses of a smaller model on the same engine and pool (engine/draft.py).
+guesses of a smaller model on the same engine and pool (engine/draft.py). ``follows``: for
+a request that carries a reference text (``GenerateRequest.reference``: a graph node's prompt
+reads another node's reply, which its own reply is likely to copy), the continuation of
+where the sequence is in that text (``follow_propose``); prompt lookup where it is in none.
 
 What decides ``k`` (``Speculator.propose``):
 
@@ -38,6 +41,8 @@ from trae_groups.engine.spec_config import SpeculativeConfig
 NGRAM_MAX = 4
 NGRAM_MIN = 2
 REST_STEPS = 8  # steps a sequence whose proposals all failed goes without, then tries k=1
+# follows: how far past where the copy was a single token may pick it up again
+FOLLOW_WINDOW = 32
 
 
 def ngram_propose(tokens: list[int], k: int) -> list[int]:
@@ -57,12 +62,67 @@ def ngram_propose(tokens: list[int], k: int) -> list[int]:
     return []
 
 
+def follow_propose(
+    tokens: list[int], reference: tuple[int, ...], k: int, state: SpecState
+) -> list[int]:
+    """Up to ``k`` tokens of ``reference`` that follow where ``tokens`` are in it.
+
+    A rewrite copies its reference in order, with edits: when the tokens added since the
+    last proposal are the reference's tokens from where that proposal started, the copy goes
+    on from there (one token of overlap is enough). Otherwise the longest suffix of
+    ``tokens`` (NGRAM_MAX down to NGRAM_MIN) is looked up in the reference, the first
+    occurrence that ends at or past where the copy was; a single token only within
+    FOLLOW_WINDOW past it. Nowhere in the reference: prompt lookup (``ngram_propose``)."""
+    start = _continued(tokens, reference, state)
+    if start is None:
+        start = _found(tokens, reference, state.anchor)
+    if start is None:
+        state.base = -1
+        return ngram_propose(tokens, k)
+    state.anchor, state.base = start, len(tokens)
+    return list(reference[start : start + k])
+
+
+def _continued(tokens: list[int], reference: tuple[int, ...], state: SpecState) -> int | None:
+    """Where the copy goes on, if every token since the last proposal followed it."""
+    if state.base < 0 or state.base >= len(tokens):
+        return None
+    grown = tokens[state.base :]
+    end = state.anchor + len(grown)
+    if end < len(reference) and list(reference[state.anchor : end]) == grown:
+        return end
+    return None
+
+
+def _found(tokens: list[int], reference: tuple[int, ...], anchor: int) -> int | None:
+    """Where in ``reference`` the tokens after the longest found suffix of ``tokens`` start."""
+    if len(reference) < 2 or not tokens:
+        return None
+    arr = np.asarray(reference, dtype=np.int64)[:-1]  # a match needs a token after it
+    tail = np.asarray(tokens[-NGRAM_MAX:], dtype=np.int64)
+    for n in range(min(NGRAM_MAX, len(tokens), len(arr)), 0, -1):
+        hits = np.flatnonzero(
+            (np.lib.stride_tricks.sliding_window_view(arr, n) == tail[-n:]).all(1)
+        )
+        if n < NGRAM_MIN:
+            hits = hits[(hits >= anchor) & (hits < anchor + FOLLOW_WINDOW)]
+        if hits.size:
+            ahead = hits[hits + n >= anchor]
+            return int(ahead[0] if ahead.size else hits[-1]) + n
+    return None
+
+
 @dataclass
 class SpecState:
-    """One sequence's adaptive speculation: its current k, and steps left to rest."""
+    """One sequence's adaptive speculation: its current k (at most ``limit``), steps left
+    to rest, and for ``follows`` where its last proposal started in the reference
+    (``anchor``) and how many tokens the sequence had then (``base``; -1: none)."""
 
     k: int
+    limit: int
     rest: int = 0
+    anchor: int = 0
+    base: int = -1
 
 
 @dataclass
@@ -75,6 +135,9 @@ class SpecCounters:
     drafting_s: float = 0.0  # time spent proposing
     off_steps: int = 0  # steps with speculation off because the batch was large
     off_rows: dict[str, int] = field(default_factory=dict)  # sequence-steps off, by reason
+    # of proposed and accepted: the tokens that came from a reference (method "follows")
+    reference_proposed: int = 0
+    reference_accepted: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -83,7 +146,9 @@ class SpecCounters:
 
 class Speculator:
     """One model's proposer and adaptive k (module docstring); ``drafter``: the draft
-    model's proposer (engine/draft.py) for method "draft"."""
+    model's proposer (engine/draft.py) for method "draft". Whatever the method, a sequence
+    with a reference proposes from it (``follow_propose``); with method "follows" only
+    those speculate."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, drafter=None):
         if (config.method == "draft") != (drafter is not None):
@@ -104,6 +169,10 @@ class Speculator:
             self.counters.off_steps += 1
             return
         wanted = [(seq, k) for seq in decoding if (k := self._k(seq))]
+        for seq, k in wanted:
+            if seq.reference is not None:
+                seq.draft = follow_propose(seq.token_ids, seq.reference.text, k, seq.spec)
+        wanted = [(seq, k) for seq, k in wanted if seq.reference is None]
         if self.drafter is not None:
             for seq, draft in self.drafter.propose(wanted).items():
                 seq.draft = draft
@@ -119,13 +188,16 @@ class Speculator:
 
     def _k(self, seq: Sequence) -> int:
         """How many tokens to propose for ``seq`` this step (0: none)."""
+        if seq.reference is None and self.config.method == "follows":
+            return 0  # this model speculates for requests with a reference only
         reason = off_reason(seq)
         if reason is not None:
             self.counters.off_rows[reason] = self.counters.off_rows.get(reason, 0) + 1
             return 0
         state = seq.spec
         if state is None:
-            state = seq.spec = SpecState(self.config.num_tokens)
+            limit = self.config.num_tokens if seq.reference is None else seq.reference.num_tokens
+            state = seq.spec = SpecState(limit, limit)
         if state.rest:
             state.rest -= 1
             if state.rest:
@@ -147,8 +219,11 @@ class Speculator:
         state = seq.spec
         if state is None:
             return
+        if state.base >= 0:  # this proposal followed the reference
+            c.reference_proposed += proposed
+            c.reference_accepted += accepted
         if accepted == proposed:
-            state.k = min(self.config.num_tokens, state.k + 1)
+            state.k = min(state.limit, state.k + 1)
         elif accepted:
             state.k = accepted + 1
         else:
@@ -166,6 +241,8 @@ class Speculator:
             "spec_verify_steps": float(c.verify_steps),
             "spec_drafting_seconds": c.drafting_s,
             "spec_off_steps": float(c.off_steps),
+            "spec_reference_proposed_tokens": float(c.reference_proposed),
+            "spec_reference_accepted_tokens": float(c.reference_accepted),
         }
 
 

@@ -90,6 +90,7 @@ def check_graph(
         _check_after(walk, name, node)
         _check_default(walk, name, node)
         _check_follows(walk, name, node)
+        _check_speculative(walk, name, node)
     dag = nx.DiGraph()
     dag.add_nodes_from(spec.nodes)
     for parent, child, via in walk.edges:
@@ -235,6 +236,67 @@ def _followed_field_problem(node: NodeSpec, attr: str | None) -> str | None:
         f"while '{node.follows.node}' streams, a node that follows it reads "
         f"{', '.join(fields)} of it, not '{attr}'"
     )
+
+
+def text_sources(node: NodeSpec) -> list[str]:
+    """The nodes whose ``text`` a node's prompt or messages read, in the order read."""
+    found: list[str] = []
+    for sub, source, condition in node_templates(node):
+        if condition or sub[0] not in ("prompt", "messages"):
+            continue
+        for ref in analyze(source).references:
+            if ref.field == "text" and ref.root != "inputs" and ref.root not in found:
+                found.append(ref.root)
+    return found
+
+
+def _generate_sources(spec: GraphSpec, node: NodeSpec) -> list[str]:
+    return [n for n in text_sources(node) if n in spec.nodes and spec.nodes[n].kind == "generate"]
+
+
+def drafts_from(spec: GraphSpec, name: str) -> str | None:
+    """The node whose text a generate node's ``speculative: {method: follows}`` drafts from:
+    the one it names, else the one generate node whose text its prompt reads, else the node
+    it follows on a streamed edge; None when it declares none or none fits (the checks say)."""
+    node = spec.nodes[name]
+    declared = getattr(node, "speculative", None)
+    if declared is None:
+        return None
+    read = _generate_sources(spec, node)
+    if declared.node is not None:
+        return declared.node if declared.node in read else None
+    followed = _followed(node)
+    if followed in read:
+        return followed
+    return read[0] if len(read) == 1 else None
+
+
+def _check_speculative(walk: _Walk, name: str, node: NodeSpec) -> None:
+    """``speculative: {method: follows}`` needs a generate node's text in the prompt."""
+    declared = getattr(node, "speculative", None)
+    if declared is None or drafts_from(walk.spec, name) is not None:
+        return
+    nodes, named = walk.spec.nodes, declared.node
+    if named is not None:
+        path = ("nodes", name, "speculative", "node")
+        if named not in nodes:
+            if named not in walk.excused.nodes:
+                walk.add(path, f"unknown node '{named}'{_suggest(named, nodes)}", name)
+        elif nodes[named].kind != "generate":
+            walk.add(path, f"'{named}' is a {nodes[named].kind} node; follows drafts from a "
+                     "generate node's text", name)  # fmt: skip
+        else:
+            walk.add(path, f"the prompt of '{name}' does not read {named}.text, so there is "
+                     "nothing of it to draft from", name)  # fmt: skip
+        return
+    path = ("nodes", name, "speculative")
+    read = _generate_sources(walk.spec, node)
+    if not read:
+        walk.add(path, f"method follows drafts from the text of a generate node the prompt "
+                 f"reads ({{{{ reply.text }}}}); the prompt of '{name}' reads none", name)  # fmt: skip
+    else:
+        walk.add(path, f"the prompt of '{name}' reads the text of {' and '.join(map(repr, read))}"
+                 "; name the one to draft from with node:", name)  # fmt: skip
 
 
 def _check_follows(walk: _Walk, name: str, node: NodeSpec) -> None:
@@ -428,6 +490,8 @@ class CompiledGraph:
     templates: Mapping[str, NodeTemplates]
     _parents: Mapping[str, tuple[str, ...]] = field(default_factory=dict, repr=False)
     _needed: dict[frozenset[str] | None, tuple[str, ...]] = field(default_factory=dict, repr=False)
+    #: generate node -> the node whose text it drafts from (``speculative: follows``)
+    references: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def roots(self) -> tuple[str, ...]:
@@ -511,7 +575,10 @@ def compile_graph(spec: GraphSpec) -> CompiledGraph:
         n: tuple(p for p in order if dag.has_edge(p, n) and dag.edges[p, n]["via"] != "follows")
         for n in order
     }
-    return CompiledGraph(spec, dag, depth, generations, order, templates, parents)
+    references = {n: source for n in spec.nodes if (source := drafts_from(spec, n)) is not None}
+    return CompiledGraph(
+        spec, dag, depth, generations, order, templates, parents, references=references
+    )
 
 
 # ---------------------------------------------------------------- python functions

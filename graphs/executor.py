@@ -407,7 +407,13 @@ class GraphExecutor:
         self, request: _Request, name: str, context: Mapping[str, Any] | None = None, **extra
     ) -> Any:
         """One node's work: render its templates, then its kind runs it."""
-        payload = self.graph.templates[name].render(request.context if context is None else context)
+        context = request.context if context is None else context
+        payload = self.graph.templates[name].render(context)
+        source = self.graph.references.get(name)
+        if source is not None:  # speculative follows: the text it drafts from
+            value = context.get(source)
+            text = value.get("text") if isinstance(value, Mapping) else None
+            extra["reference"] = text if isinstance(text, str) else None
         call = self._node_call(request, name, payload, **extra)
         try:
             return await KINDS[call.node.kind].run(call)

@@ -35,6 +35,7 @@ from trae_groups.engine.protocol import (
     Pooling,
 )
 from trae_groups.engine.sampling import SamplingParams
+from trae_groups.engine.spec_config import DEFAULT_NUM_TOKENS, RANGES, Reference
 from trae_groups.graphs.errors import TemplateRenderError
 from trae_groups.graphs.types import (
     ArgName,
@@ -160,6 +161,9 @@ class NodeCall:
     #: straight to the client as token events: the nodes that follow it (graphs/streams.py).
     on_text: Callable[[str, int], None] | None = None
     max_tokens: int | None = None  # the request's cap on a generate node's own max_tokens
+    #: A generate node with ``speculative: {method: follows}``: the text of the node it
+    #: drafts from, as this request's run produced it (None: that node gave none)
+    reference: str | None = None
     #: What the engine reported about this call beyond its result (a generation's phases,
     #: for traces: graphs/tracing.py); filled by the kind's run, read by the executor
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -315,6 +319,29 @@ class GenerateParams(Spec):
         return self
 
 
+class NodeSpeculative(Spec):
+    """A generate node's ``speculative:``: method ``follows`` drafts its reply from the text
+    of another generate node that its prompt reads (``{{ reply.text }}``, or the node it
+    follows on a streamed edge), which a rewrite copies in good part. ``node`` names that
+    node when the prompt reads several; graphs/compile.py finds and checks it. A model's
+    ``speculative:`` (ngram, draft) is for all its requests; this node's draft from the text."""
+
+    method: str = "follows"
+    num_tokens: int = Field(
+        DEFAULT_NUM_TOKENS, ge=RANGES["num_tokens"][0], le=RANGES["num_tokens"][1]
+    )
+    node: str | None = None
+
+    @model_validator(mode="after")
+    def _follows_only(self) -> NodeSpeculative:
+        if self.method != "follows":
+            raise ValueError(
+                f"method: a node speculates with 'follows', not {self.method!r} (ngram and "
+                "draft are set on its model's speculative:)"
+            )
+        return self
+
+
 def _messages_tag(value: Any) -> str:
     return "message-template" if isinstance(value, str) else "message-list"
 
@@ -345,6 +372,7 @@ class GenerateNode(NodeBase):
     params: GenerateParams = GenerateParams()
     output_schema: dict[str, JsonValue] | None = None
     adapter: str | None = None  # one of the model's LoRA ``adapters`` (None: the base)
+    speculative: NodeSpeculative | None = None  # drafts from the text of a node it reads
     _sampling: SamplingParams | None = PrivateAttr(None)
 
     @model_validator(mode="after")
@@ -423,6 +451,8 @@ def generate_request(
     params = node.sampling()
     if call.max_tokens is not None and call.max_tokens < params.max_tokens:
         params = dataclasses.replace(params, max_tokens=call.max_tokens)
+    if call.reference and node.speculative is not None:
+        extra = {**extra, "reference": Reference(call.reference, node.speculative.num_tokens)}
     return GenerateRequest(
         request_id,
         params,

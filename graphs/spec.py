@@ -95,6 +95,11 @@ class SpeculativeSpec(Spec):
 
     @model_validator(mode="after")
     def _check(self) -> SpeculativeSpec:
+        if self.method == "follows":
+            raise ValueError(
+                "method: follows is declared on a generate node (it drafts from the text of "
+                "a node its prompt reads), not on a model"
+            )
         self.config()
         return self
 

@@ -203,7 +203,7 @@ def test_k_adapts_to_what_is_accepted():
     spec = Speculator(SpeculativeConfig(num_tokens=4), max_model_len=256)
 
     class Seq:
-        spec = SpecState(4)
+        spec = SpecState(4, 4)
 
     seq = Seq()
     spec.record(seq, 4, 1)

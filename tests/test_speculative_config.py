@@ -83,7 +83,7 @@ def test_without_a_setting_a_model_does_not_speculate(root):
     "options,message",
     [
         ("speculative: {method: draft}", "draft: names the draft model"),
-        ("speculative: {method: medusa}", "method: must be one of ['ngram', 'draft']"),
+        ("speculative: {method: medusa}", "method: must be one of ['ngram', 'draft', 'follows']"),
         ("speculative: {num_tokens: 0}", "num_tokens: must be an integer in [1, 16]"),
         ("speculative: {num_tokens: 4, k: 2}", "k"),
     ],

@@ -408,7 +408,7 @@ def cmd_model_info(args: argparse.Namespace) -> int:
         print(f"LoRA adapters: {_mib(adapter_bytes)} (in slots when requests use them)")
     for name, c in speculating.items():
         print(
-            f"speculative decoding: {name}: ngram, {c['spec_num_tokens']:g} tokens a step, "
+            f"speculative decoding: {name}: up to {c['spec_num_tokens']:g} tokens a step, "
             f"accepted {c['spec_accepted_tokens']:g} of {c['spec_proposed_tokens']:g} proposed "
             f"({c['spec_acceptance_rate']:.0%}), {c['spec_drafting_seconds']:.3f} s drafting"
         )

@@ -172,13 +172,15 @@ class ModelGroup:
         output_schema: Any = None,
         follows: Ref | str | Mapping[str, Any] | None = None,
         adapter: str | None = None,
+        speculative: Mapping[str, Any] | None = None,
         **params: Any,
     ) -> Ref:
         """Causal LM from a prompt or chat messages; sampling parameters as keywords
         (``max_tokens=64``) or as one ``params={...}`` mapping, as in YAML.
         ``output_schema``: a JSON Schema, or a pydantic model class (its schema).
         ``follows``: a generate node whose text this prompt reads, prefilled as it streams.
-        ``adapter``: one of the model's LoRA ``adapters`` (``add_model(..., adapters={...})``)."""
+        ``adapter``: one of the model's LoRA ``adapters`` (``add_model(..., adapters={...})``).
+        ``speculative``: ``{"method": "follows"}`` drafts from the text of a node it reads."""
         if isinstance(params.get("params"), Mapping):
             params = {**params.pop("params"), **params}
         if isinstance(output_schema, type) and issubclass(output_schema, BaseModel):
@@ -190,6 +192,7 @@ class ModelGroup:
             "params": params or None,
             "output_schema": output_schema,
             "adapter": adapter,
+            "speculative": _speculative(speculative),
         }
         common = {"when": when, "after": after, "optional": optional, "timeout": timeout}
         common |= {"on_error": on_error, "default": default, "description": description}
@@ -328,3 +331,13 @@ def _function_name(function: str | Callable[..., Any]) -> str:
         return function
     module = getattr(function, "__module__", None) or "?"
     return f"{module}:{getattr(function, '__qualname__', '?')}"
+
+
+def _speculative(declared: Mapping[str, Any] | None) -> dict | None:
+    """A generate node's ``speculative`` mapping, its ``node`` given by name or by reference."""
+    if declared is None:
+        return None
+    out = dict(declared)
+    if out.get("node") is not None:
+        out["node"] = _root(out["node"])
+    return out

@@ -454,6 +454,12 @@ def _speculative_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
          "Time spent proposing tokens", "spec_drafting_seconds"),
         (CounterMetricFamily, "trae_llm_spec_off_steps",
          "Steps without speculation because the batch was large", "spec_off_steps"),
+        (CounterMetricFamily, "trae_llm_spec_reference_proposed_tokens",
+         "Of the proposed tokens, those taken from a reference text (method follows)",
+         "spec_reference_proposed_tokens"),
+        (CounterMetricFamily, "trae_llm_spec_reference_accepted_tokens",
+         "Of the accepted tokens, those taken from a reference text (method follows)",
+         "spec_reference_accepted_tokens"),
         (GaugeMetricFamily, "trae_llm_spec_acceptance_rate",
          "Accepted over proposed tokens since start", "spec_acceptance_rate"),
     ]  # fmt: skip
