@@ -207,3 +207,25 @@ def test_trae_serve_otlp_endpoint_sends_the_spans_to_a_collector(root):
     services = {s.name: s.service for s in spans}
     assert services["graph traced"] == "trae-groups"
     assert services["engine dialog"] == "trae-groups-engine"  # the engine process's own
+
+
+def test_the_carried_context_names_the_span_and_the_samplers_decision(monkeypatch):
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+    tracing.configure(InMemorySpanExporter())  # the SDK's default: parent-based, always on
+    try:
+        caller = tracing.RunTrace(f"00-{TRACE_ID}-{PARENT_SPAN}-01", "vendor=7")
+        node = caller.headers(tracing.node_key("reply"))
+        assert node == {
+            "traceparent": f"00-{TRACE_ID}-{caller.child_id('node reply'):016x}-01",
+            "tracestate": "vendor=7",
+        }
+        assert caller.headers(tracing.node_key("reply")) == node  # one id per node
+        assert caller.headers()["traceparent"] == f"00-{TRACE_ID}-{caller.span_id:016x}-01"
+        unsampled = tracing.RunTrace(f"00-{TRACE_ID}-{PARENT_SPAN}-00")
+        assert unsampled.headers()["traceparent"].endswith("-00")
+        assert tracing.RunTrace().headers()["traceparent"].endswith("-01")
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+        tracing.configure(InMemorySpanExporter())  # the provider reads its sampler then
+        assert tracing.RunTrace().headers()["traceparent"].endswith("-00")
+    finally:
+        tracing.shutdown()
