@@ -115,6 +115,7 @@ class Prepared:
     session: str | None = None  # keeps a user's requests on one engine replica
     deadline: Deadline | None = None
     traceparent: str | None = None  # the caller's W3C trace context (graphs/tracing.py)
+    tracestate: str | None = None
     #: generate node -> the most tokens this request lets it write (below its own max_tokens)
     max_tokens: Mapping[str, int] = field(default_factory=dict)
 
@@ -146,6 +147,7 @@ class _Request:
         self.feeds = self._feeds(executor.graph, needed)
         self.cut: Cut | None = None
         self.scope: anyio.CancelScope | None = None  # the run's: a cut cancels it
+        self.trace: tracing.RunTrace | None = None  # while tracing is on (graphs/tracing.py)
 
     def event(self, type: str, data: dict) -> None:
         """Emit an event of this request (what nodes and feeds are handed as ``emit``)."""
@@ -217,6 +219,7 @@ class GraphExecutor:
         session: str | None = None,
         deadline: float | None = None,
         traceparent: str | None = None,
+        tracestate: str | None = None,
         max_tokens: Mapping[str, int] | None = None,
     ) -> Prepared:
         """Check a request (InputError names the field) and mint its id. ``deadline``
@@ -244,6 +247,7 @@ class GraphExecutor:
             session,
             tightest(limit, deadline, drop=spec.on_deadline == "drop"),
             traceparent=traceparent,
+            tracestate=tracestate,
             max_tokens=dict(max_tokens or {}),
         )
 
@@ -255,14 +259,15 @@ class GraphExecutor:
         ``outputs``, ``timeout``, ``request_id``)."""
         prepared = request if isinstance(request, Prepared) else self.prepare(request, **prepare)
         state = _Request(self, prepared, on_event)
-        clock = tracing.RunClock() if tracing.enabled() else None
+        if tracing.enabled():
+            state.trace = tracing.RunTrace(prepared.traceparent, prepared.tracestate)
         start = time.perf_counter()
         try:
             await self._run_nodes(state, prepared)
         except BaseException as exc:
-            self._trace(state, clock, exc)
+            self._trace(state, exc)
             raise
-        self._trace(state, clock, None)
+        self._trace(state, None)
         result = RunResult(
             prepared.request_id,
             self.graph.outputs(state.context, prepared.outputs, partial=state.cut is not None),
@@ -286,15 +291,13 @@ class GraphExecutor:
             error = _first_graph_error(group_error)
             raise (_timed_out(state) if isinstance(error, DeadlineExceeded) else error) from None
 
-    def _trace(
-        self, state: _Request, clock: tracing.RunClock | None, error: BaseException | None
-    ) -> None:
-        if clock is None:
+    def _trace(self, state: _Request, error: BaseException | None) -> None:
+        if state.trace is None:
             return
-        prepared, spec = state.prepared, self.graph.spec
+        spec = self.graph.spec
         tracing.record_run(
-            spec.name, prepared.request_id, prepared.traceparent, clock, spec.nodes,
-            state.records, state.versions, error,
+            spec.name, state.request_id, state.trace, spec.nodes, state.records, state.versions,
+            error,
         )  # fmt: skip
 
     async def _run_node(self, request: _Request, name: str) -> None:
@@ -415,10 +418,15 @@ class GraphExecutor:
             text = value.get("text") if isinstance(value, Mapping) else None
             extra["reference"] = text if isinstance(text, str) else None
         call = self._node_call(request, name, payload, **extra)
+        # traced: the node's engine calls carry its span's context to the engine's side
+        trace = request.trace
+        carrying = trace and tracing.carry(trace.headers(tracing.node_key(name)))
         try:
             return await KINDS[call.node.kind].run(call)
         finally:
             request.records[name].phases = call.engine.get("phases")
+            if trace is not None:
+                tracing.uncarry(carrying)
 
     # -- streamed edges ---------------------------------------------------------
     async def _follow(self, request: _Request, name: str, on_text) -> Any:

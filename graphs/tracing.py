@@ -1,4 +1,4 @@
-"""OpenTelemetry traces of graph requests: one span per request, a child span per node.
+"""OpenTelemetry traces of requests: one span per request, a child span per node.
 
 Off unless configured: ``configure()`` (embedded apps, tests), ``trae serve --otlp-endpoint
 URL``, or the standard variables (``OTEL_TRACES_EXPORTER=otlp``,
@@ -16,13 +16,24 @@ reason. Inside a generate node's span, the engine's phases (``EnginePhases``, th
 last output reports) are child spans ``queued`` (received to first scheduled), ``prefill``
 (to the first token) and ``decode`` (to the last token, with the finish reason), and the
 node span has the events ``first token`` and ``finished``.
+
+Across processes. A request's span ids are fixed when it starts (``RunTrace``), though its
+spans are built when it ends: while a node runs, its span's W3C context is the current
+``carried()`` one, and the engine clients send it with the work (the engine process's
+messages, the Ray replica's call). On the other side ``served_span`` makes that process's
+own span, ``engine <model>``, a child of the node's span in the same trace, when tracing is
+on there too (``trae serve`` passes its OTEL_* variables on; a Ray replica reads its own).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import random
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar, Token
 from typing import Any
 
 _tracer: Any = None  # an SDK tracer once configured; None: tracing off
@@ -33,6 +44,12 @@ ENV_SWITCHES = (
     "OTEL_EXPORTER_OTLP_ENDPOINT",
     "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
 )
+
+#: The W3C trace context of the span the current work belongs to, as headers
+#: (``traceparent``, and ``tracestate`` when the caller sent one): what engine calls carry
+_carried: ContextVar[dict[str, str] | None] = ContextVar("trae_trace_carried", default=None)
+#: (trace id, span id) the next span takes: a span built late keeps the ids it was given
+_reserved: ContextVar[tuple[int, int] | None] = ContextVar("trae_trace_reserved", default=None)
 
 
 def configure(
@@ -57,18 +74,20 @@ def configure(
     else:
         processor = SimpleSpanProcessor(exporter)
     shutdown()
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": service_name}), id_generator=_ids()()
+    )
     provider.add_span_processor(processor)
     _provider, _tracer = provider, provider.get_tracer("trae_groups")
 
 
-def configure_from_env() -> bool:
+def configure_from_env(service_name: str = "trae-groups") -> bool:
     """``configure()`` when the standard variables ask for OTLP traces; whether they did."""
     wanted = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
     if wanted == "none":
         return False
     if wanted == "otlp" or any(os.environ.get(name) for name in ENV_SWITCHES):
-        configure()
+        configure(service_name=service_name)
         return True
     return False
 
@@ -91,6 +110,71 @@ def enabled() -> bool:
     return _tracer is not None
 
 
+@functools.cache
+def _ids() -> type:
+    """The SDK's random ids, except for a span built with the ids reserved for it."""
+    from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+    class ReservedIds(RandomIdGenerator):
+        def generate_span_id(self) -> int:
+            reserved = _reserved.get()
+            return reserved[1] if reserved else super().generate_span_id()
+
+        def generate_trace_id(self) -> int:
+            reserved = _reserved.get()
+            return reserved[0] if reserved else super().generate_trace_id()
+
+    return ReservedIds
+
+
+def _random_id(bits: int) -> int:
+    """A W3C id (never zero, the invalid one), as the SDK makes them."""
+    return random.getrandbits(bits) or 1
+
+
+# -- the context that crosses to the engine -------------------------------------------------
+def carried() -> dict[str, str] | None:
+    """The W3C headers the current work's engine calls carry (None: not traced)."""
+    return _carried.get()
+
+
+def carry(headers: dict[str, str] | None) -> Token:
+    """Make ``headers`` the current work's trace context; ``uncarry`` the token after."""
+    return _carried.set(headers)
+
+
+def uncarry(token: Token) -> None:
+    _carried.reset(token)
+
+
+@contextlib.contextmanager
+def served_span(name: str, headers: Mapping[str, str] | None, **attributes: Any) -> Iterator[None]:
+    """The span of work that came from another process with ``headers`` (its W3C trace
+    context), as a child of the caller's span; nothing while tracing is off here or the
+    caller sent no context. An exception marks the span failed."""
+    if _tracer is None or not headers:
+        yield
+        return
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    parent = TraceContextTextMapPropagator().extract(dict(headers))
+    span = _tracer.start_span(
+        name,
+        context=parent,
+        kind=SpanKind.SERVER,
+        attributes={"process.pid": os.getpid(), **attributes},
+    )
+    try:
+        yield
+    except Exception as exc:
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+        raise
+    finally:
+        span.end()
+
+
+# -- one request's trace ---------------------------------------------------------------
 class RunClock:
     """A request's start on both clocks: NodeRecords hold perf_counter times, spans epoch ns."""
 
@@ -102,11 +186,78 @@ class RunClock:
         return self.wall_ns + int(((perf if perf is not None else self.perf) - self.perf) * 1e9)
 
 
+class RunTrace(RunClock):
+    """A traced request's clock and span ids, fixed when it starts: its spans are built
+    when it ends, but work sent meanwhile to another process already names them as
+    parents. ``traceparent``/``tracestate``: the caller's W3C headers, if it sent them."""
+
+    def __init__(self, traceparent: str | None = None, tracestate: str | None = None) -> None:
+        super().__init__()
+        caller = _caller(traceparent, tracestate)
+        self.parent = caller[0] if caller else None  # an OTel context: the request span's parent
+        self.trace_id = caller[1].trace_id if caller else _random_id(128)
+        self.tracestate = tracestate if caller else None
+        self.flags = int(_sampled(self.parent, self.trace_id))
+        self.span_id = _random_id(64)
+        self._children: dict[str, int] = {}
+
+    def child_id(self, key: str) -> int:
+        """The span id of the request's child ``key`` (a node), the same on every call."""
+        if key not in self._children:
+            self._children[key] = _random_id(64)
+        return self._children[key]
+
+    def headers(self, key: str | None = None) -> dict[str, str]:
+        """The W3C headers naming the request's span (or its child ``key``'s) as parent."""
+        span = self.span_id if key is None else self.child_id(key)
+        headers = {"traceparent": f"00-{self.trace_id:032x}-{span:016x}-{self.flags:02x}"}
+        if self.tracestate:
+            headers["tracestate"] = self.tracestate
+        return headers
+
+    def start_span(self, name: str, key: str | None, context: Any, start_ns: int, **options: Any):
+        """A span of this request with its reserved ids (``key``: a child's; None: the
+        request's own)."""
+        span_id = self.span_id if key is None else self.child_id(key)
+        token = _reserved.set((self.trace_id, span_id))
+        try:
+            return _tracer.start_span(name, context=context, start_time=start_ns, **options)
+        finally:
+            _reserved.reset(token)
+
+
+def _caller(traceparent: str | None, tracestate: str | None) -> tuple[Any, Any] | None:
+    """The caller's span from its W3C headers, as (OTel context, span context); None when
+    it sent none or a malformed one."""
+    if not traceparent:
+        return None
+    from opentelemetry.trace import get_current_span
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    headers = {"traceparent": traceparent}
+    if tracestate:
+        headers["tracestate"] = tracestate
+    context = TraceContextTextMapPropagator().extract(headers)
+    span = get_current_span(context).get_span_context()
+    return (context, span) if span.is_valid else None
+
+
+def _sampled(parent: Any, trace_id: int) -> bool:
+    """Whether the sampler will record a request span of this trace, asked when the request
+    starts: the engine's side records its spans by the flag it is sent (parent-based)."""
+    if _provider is None:
+        return True
+    return _provider.sampler.should_sample(parent, trace_id, "request").decision.is_sampled()
+
+
+def node_key(name: str) -> str:
+    return f"node {name}"
+
+
 def record_run(
     graph: str,
     request_id: str,
-    traceparent: str | None,
-    clock: RunClock,
+    trace: RunTrace,
     nodes: Mapping[str, Any],
     records: Mapping[str, Any],
     versions: Mapping[str, str],
@@ -115,30 +266,35 @@ def record_run(
     """Emit one finished request's spans (no-op while tracing is off)."""
     if _tracer is None:
         return
-    from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
-    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    from opentelemetry.trace import SpanKind, set_span_in_context
 
-    parent = None
-    if traceparent:
-        parent = TraceContextTextMapPropagator().extract({"traceparent": traceparent})
     end = time.time_ns()
-    root = _tracer.start_span(
+    root = trace.start_span(
         f"graph {graph}",
-        context=parent,
+        None,
+        trace.parent,
+        trace.wall_ns,
         kind=SpanKind.SERVER,
-        start_time=clock.wall_ns,
         attributes={"trae.graph": graph, "trae.request_id": request_id},
     )
     if error is not None:
-        root.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
-        root.set_attribute("trae.error_type", type(error).__name__)
+        set_error(root, error)
     inside = set_span_in_context(root)
     for name, record in records.items():
-        _node_span(name, nodes[name], record, versions, clock, inside, Status, StatusCode)
+        _node_span(name, nodes[name], record, versions, trace, inside)
     root.end(end_time=end)
 
 
-def _node_span(name, node, record, versions, clock, context, Status, StatusCode) -> None:
+def set_error(span: Any, error: BaseException) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
+    span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+    span.set_attribute("trae.error_type", type(error).__name__)
+
+
+def _node_span(name, node, record, versions, trace: RunTrace, context) -> None:
+    from opentelemetry.trace import Status, StatusCode
+
     model = getattr(node, "model", None)
     attributes: dict[str, Any] = {
         "trae.node": name,
@@ -155,15 +311,13 @@ def _node_span(name, node, record, versions, clock, context, Status, StatusCode)
     for key in ("tokens", "prompt_tokens", "finish_reason"):
         if key in record.usage:
             attributes[f"trae.node.{key}"] = record.usage[key]
-    start = clock.ns(record.started)
-    span = _tracer.start_span(
-        f"node {name}", context=context, start_time=start, attributes=attributes
-    )
+    start = trace.ns(record.started)
+    span = trace.start_span(f"node {name}", node_key(name), context, start, attributes=attributes)
     if record.status == "failed":
         span.set_status(Status(StatusCode.ERROR, record.error or "failed"))
-    end = max(start, clock.ns(record.finished)) if record.finished else start
+    end = max(start, trace.ns(record.finished)) if record.finished else start
     if record.phases is not None:
-        _phase_spans(span, record.phases, record.usage.get("finish_reason"), start, end)
+        phase_spans(span, record.phases, record.usage.get("finish_reason"), start, end)
     span.end(end_time=end)
 
 
@@ -175,27 +329,31 @@ PHASES = (
 )
 
 
-def _phase_spans(node_span, phases, finish_reason, start: int, end: int) -> None:
-    """The engine's phases inside a node's span (times clamped into it: the engine's
-    clock is read in its own process)."""
+def phase_spans(
+    parent: Any, phases: Any, finish_reason: str | None, start: int, end: int, **attributes: Any
+) -> None:
+    """The engine's phases inside ``parent`` (times clamped into it: the engine's clock is
+    read in its own process)."""
     from opentelemetry.trace import set_span_in_context
 
-    inside = set_span_in_context(node_span)
+    inside = set_span_in_context(parent)
 
     def ns(seconds: float) -> int:
         return min(end, max(start, int(seconds * 1e9)))
 
+    finished = {"trae.finish_reason": finish_reason} if finish_reason else {}
     for name, begin, until in PHASES:
         a, b = getattr(phases, begin), getattr(phases, until)
         if a is None or b is None:
             continue
-        attributes = (
-            {"trae.finish_reason": finish_reason} if name == "decode" and finish_reason else {}
+        extra = finished if name == "decode" else {}
+        child = _tracer.start_span(
+            name, context=inside, start_time=ns(a), attributes={**attributes, **extra}
         )
-        child = _tracer.start_span(name, context=inside, start_time=ns(a), attributes=attributes)
         child.end(end_time=max(ns(a), ns(b)))
     if phases.first_token is not None:
-        node_span.add_event("first token", timestamp=ns(phases.first_token))
+        parent.add_event("first token", attributes=attributes, timestamp=ns(phases.first_token))
     if phases.last_token is not None:
-        finished = {"trae.finish_reason": finish_reason} if finish_reason else {}
-        node_span.add_event("finished", attributes=finished, timestamp=ns(phases.last_token))
+        parent.add_event(
+            "finished", attributes={**attributes, **finished}, timestamp=ns(phases.last_token)
+        )

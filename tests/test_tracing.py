@@ -1,28 +1,23 @@
 """OpenTelemetry traces: the span tree of one real request (the SDK's in-memory exporter),
 the caller's traceparent as its parent, nothing while off, and `trae serve --otlp-endpoint`
-sending OTLP/HTTP to a collector on 127.0.0.1."""
+sending OTLP/HTTP to a collector on 127.0.0.1, the engine process's spans in the same tree."""
 
 from __future__ import annotations
 
-import http.server
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from typing import ClassVar
 
 import httpx
 import pytest
 
 pytest.importorskip("opentelemetry.sdk")
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-)
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
     InMemorySpanExporter,
 )
+from otlp_collector import Collector
 
 from conftest import build_encoder, build_llm
 from trae_groups.engine import EngineConfig
@@ -169,56 +164,68 @@ def test_tracing_off_means_no_spans_and_the_env_turns_it_on(monkeypatch):
     assert not tracing.enabled()
 
 
-class _Collector(http.server.BaseHTTPRequestHandler):
-    received: ClassVar[list[tuple[str, bytes]]] = []
-
-    def do_POST(self):
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        self.received.append((self.path, body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.end_headers()
-
-    def log_message(self, *args):
-        pass
-
-
 def test_trae_serve_otlp_endpoint_sends_the_spans_to_a_collector(root):
-    collector = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
-    threading.Thread(target=collector.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{collector.server_address[1]}"
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "trae_groups.cli", "serve", str(root / "traced.yaml"),
-         "--port", str(port), "--pool-bytes", "16MiB", "--otlp-endpoint", endpoint],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(1200):  # bounded: a few minutes on a loaded machine
-            try:
-                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert server.poll() is None, "trae serve exited"
-            time.sleep(0.2)
-        answer = httpx.post(f"{url}/v1/graphs/traced", json={"inputs": {"text": "hi"}}, timeout=120)
-        assert answer.status_code == 200
-        os.kill(server.pid, signal.SIGTERM)  # its shutdown flushes the batched spans
-        assert server.wait(120) == 0
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait(30)
-        collector.shutdown()
-    names = set()
-    for path, body in _Collector.received:
-        assert path == "/v1/traces"
-        request = ExportTraceServiceRequest.FromString(body)
-        for resource in request.resource_spans:
-            for scope in resource.scope_spans:
-                names |= {span.name for span in scope.spans}
+    with Collector() as collector:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "trae_groups.cli", "serve", str(root / "traced.yaml"),
+             "--port", str(port), "--pool-bytes", "16MiB", "--otlp-endpoint", collector.endpoint],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        try:
+            url = f"http://127.0.0.1:{port}"
+            for _ in range(1200):  # bounded: a few minutes on a loaded machine
+                try:
+                    if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert server.poll() is None, "trae serve exited"
+                time.sleep(0.2)
+            answer = httpx.post(
+                f"{url}/v1/graphs/traced", json={"inputs": {"text": "hi"}},
+                headers={"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN}-01"}, timeout=120,
+            )  # fmt: skip
+            assert answer.status_code == 200
+            os.kill(server.pid, signal.SIGTERM)  # its shutdown flushes the batched spans
+            assert server.wait(120) == 0
+        finally:
+            if server.poll() is None:
+                server.kill()
+                server.wait(30)
+        spans = collector.spans()
+    assert set(collector.paths) == {"/v1/traces"}
     phases = {name for name, _begin, _end in tracing.PHASES}  # from the engine's own process
-    assert names == {"graph traced", "node intent", "node reply", "node never", *phases}
+    front = {"graph traced", "node intent", "node reply", "node never", *phases}
+    assert sorted(s.name for s in spans) == sorted(front | {"engine intent", "engine dialog"})
+    assert {s.trace_id for s in spans} == {TRACE_ID}  # one trace, the caller's
+    by_name = {s.name: s for s in spans}
+    assert by_name["graph traced"].parent_id == PARENT_SPAN
+    assert by_name["engine dialog"].parent_id == by_name["node reply"].span_id
+    assert by_name["engine intent"].parent_id == by_name["node intent"].span_id
+    services = {s.name: s.service for s in spans}
+    assert services["graph traced"] == "trae-groups"
+    assert services["engine dialog"] == "trae-groups-engine"  # the engine process's own
+
+
+def test_the_carried_context_names_the_span_and_the_samplers_decision(monkeypatch):
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+    tracing.configure(InMemorySpanExporter())  # the SDK's default: parent-based, always on
+    try:
+        caller = tracing.RunTrace(f"00-{TRACE_ID}-{PARENT_SPAN}-01", "vendor=7")
+        node = caller.headers(tracing.node_key("reply"))
+        assert node == {
+            "traceparent": f"00-{TRACE_ID}-{caller.child_id('node reply'):016x}-01",
+            "tracestate": "vendor=7",
+        }
+        assert caller.headers(tracing.node_key("reply")) == node  # one id per node
+        assert caller.headers()["traceparent"] == f"00-{TRACE_ID}-{caller.span_id:016x}-01"
+        unsampled = tracing.RunTrace(f"00-{TRACE_ID}-{PARENT_SPAN}-00")
+        assert unsampled.headers()["traceparent"].endswith("-00")
+        assert tracing.RunTrace().headers()["traceparent"].endswith("-01")
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+        tracing.configure(InMemorySpanExporter())  # the provider reads its sampler then
+        assert tracing.RunTrace().headers()["traceparent"].endswith("-00")
+    finally:
+        tracing.shutdown()

@@ -56,9 +56,13 @@ def graph_source(path: str | Path) -> tuple[GraphSpec, GraphSource]:
 
 def _env() -> dict[str, Any]:
     """What replicas must see of this process's environment: the operator's allow list
-    of python-node functions (graphs/functions.py), read when a graph is checked."""
+    of python-node functions (graphs/functions.py), read when a graph is checked, and the
+    OTEL_* variables that turn traces on (graphs/tracing.py; ``--otlp-endpoint`` sets one)."""
+    env = {name: value for name, value in os.environ.items() if name.startswith("OTEL_")}
     allowed = os.environ.get(ALLOWED_ENV)
-    return {"runtime_env": {"env_vars": {ALLOWED_ENV: allowed}}} if allowed is not None else {}
+    if allowed is not None:
+        env[ALLOWED_ENV] = allowed
+    return {"runtime_env": {"env_vars": env}} if env else {}
 
 
 def group_options(group: GroupSpec, options: ClusterOptions) -> dict[str, Any]:

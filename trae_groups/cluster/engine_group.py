@@ -5,7 +5,9 @@ Methods take the engine protocol's own request objects (engine/protocol.py) and 
 (model, version) key. ``generate`` streams ``GenerationChunk`` deltas, grouped every
 ``chunk_interval_s`` after the first so that a process hop costs one message per
 group of tokens, not one per token; a caller that goes away (client gone,
-``cancel()``) ends the stream here and the engine frees the request's pages.
+``cancel()``) ends the stream here and the engine frees the request's pages. With the
+caller's W3C trace context (``trace``) and tracing on in the replica (the OTEL_* variables
+in its environment), each call is a span ``engine <model>`` in the caller's trace.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from trae_groups.engine.protocol import (
     GenerationChunk,
     ModelClient,
 )
+from trae_groups.graphs import tracing
 from trae_groups.graphs.loader import load_graph_text
 from trae_groups.graphs.runtime import host_for, load_clients, settle_heap
 
@@ -53,6 +56,8 @@ class EngineGroup:
         spec = load_graph_text(text, filename, Path(base_dir) if base_dir else None)
         placed = spec.deploy.group_of(list(spec.models))
         names = [m for m, g in placed.items() if g == group]
+        if not tracing.enabled():
+            tracing.configure_from_env(service_name="trae-groups-engine")
         self.group = group
         self.chunk_interval_s = chunk_interval_s
         self.host = host_for([spec], engine)
@@ -75,14 +80,24 @@ class EngineGroup:
     def stats(self) -> EngineStats:
         return self.host.stats()
 
-    async def encode(self, key: tuple[str, str], request: EncodeRequest) -> dict[str, Any]:
-        return await self._client(key).encode(request)
+    async def encode(
+        self, key: tuple[str, str], request: EncodeRequest, trace: dict | None = None
+    ) -> dict[str, Any]:
+        client = self._client(key)
+        with self._span(client, request, trace):
+            return await client.encode(request)
 
     async def generate(
-        self, key: tuple[str, str], request: GenerateRequest
+        self, key: tuple[str, str], request: GenerateRequest, trace: dict | None = None
     ) -> AsyncGenerator[GenerationChunk, None]:
         """The first chunk at once, then what came in each ``chunk_interval_s``."""
-        stream = self._client(key).generate(request)
+        client = self._client(key)
+        with self._span(client, request, trace):
+            async with contextlib.aclosing(self._grouped(client.generate(request))) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    async def _grouped(self, stream: Any) -> AsyncGenerator[GenerationChunk, None]:
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
         async def pump() -> None:
@@ -136,6 +151,14 @@ class EngineGroup:
         self._busy_mark = (stats.busy_seconds, now)
         share = (stats.busy_seconds - busy) / (now - since) if now > since else 0.0
         return {"pending": float(stats.pending), "utilization": min(1.0, max(0.0, share))}
+
+    def _span(self, client: ModelClient, request: Any, trace: dict | None) -> Any:
+        """This replica's span of one call (graphs/tracing.py), in the caller's trace."""
+        return tracing.served_span(
+            f"engine {client.name}", trace,
+            **{"trae.model": client.name, "trae.request_id": request.request_id,
+               "trae.group": self.group, "trae.replica": self.replica},
+        )  # fmt: skip
 
     def check_health(self) -> None:
         if not self.host.running:

@@ -6,7 +6,9 @@ the boundary as cleanly as in one process: an error the replica raised comes bac
 as itself (a RequestError stays a 422); a replica that dies fails its calls with
 ``ReplicaLost`` (503 with Retry-After): an ``encode`` is first tried once more on
 another replica, a generation that already streamed is not (its tokens cannot be
-taken back). Leaving a stream early cancels it, and the replica frees its pages.
+taken back). Leaving a stream early cancels it, and the replica frees its pages. Each
+call carries the caller's W3C trace context (graphs/tracing.py), so the replica's span
+joins the caller's trace.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from trae_groups.engine.protocol import (
     ModelStats,
     Window,
 )
+from trae_groups.graphs import tracing
 
 #: What a call fails with when its replica died or cannot be reached.
 REPLICA_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -54,9 +57,10 @@ class RemoteClient:
         self.task = task
 
     async def encode(self, request: EncodeRequest) -> dict[str, Any]:
+        trace = tracing.carried()
         for attempt in (1, 2):
             try:
-                return await self._handle.encode.remote(self._key, request)
+                return await self._handle.encode.remote(self._key, request, trace)
             except REPLICA_GONE as exc:
                 if attempt == 2:
                     raise ReplicaLost(f"the engine replica of {self.name!r} went away") from exc
@@ -68,7 +72,10 @@ class RemoteClient:
         handle = self._stream
         if request.session:  # one session, one replica: its prefix cache keeps hitting
             handle = handle.options(session_id=request.session)
-        return self._chunks(request.request_id, lambda: handle.generate.remote(self._key, request))
+        trace = tracing.carried()
+        return self._chunks(
+            request.request_id, lambda: handle.generate.remote(self._key, request, trace)
+        )
 
     async def _chunks(
         self, request_id: str, start: Callable[[], Any]

@@ -6,12 +6,16 @@ front's ``EngineProcessRuntime`` with its end of a socket pair as FD (LISTEN: a 
 socket path more fronts attach to, ``trae serve --api-workers``). Messages
 (tuples; ``wire.py`` frames them):
 
-front → engine                               engine → front
-("call", cid, op, args)  admin and reads     ("hello", pid)
-("gen", sid, binding, key, GenerateRequest)  ("reply", cid, ok, value or exception)
-("abort", sid)  end it, its last chunk follows ("out", [(sid, kind, payload), ...])
-("close", sid)  the front stopped waiting           kind: CHUNK (GenerationChunk fields),
-("enc", sid, binding, key, EncodeRequest)                 RESULT (an encoder's), ERROR
+front → engine                                      engine → front
+("call", cid, op, args)  admin and reads            ("hello", pid)
+("gen", sid, binding, key, GenerateRequest, trace)  ("reply", cid, ok, value or exception)
+("abort", sid)  end it, its last chunk follows      ("out", [(sid, kind, payload), ...])
+("close", sid)  the front stopped waiting            kind: CHUNK (GenerationChunk fields),
+("enc", sid, binding, key, EncodeRequest, trace)           RESULT (an encoder's), ERROR
+
+``trace``: the caller's W3C trace context (graphs/tracing.py) or None. With tracing on in
+this process too (the front's OTEL_* variables, which it inherits), each generation and
+encoder item is a span ``engine <model>`` there, a child of the node's span.
 
 A generation runs as the model's own client's ``generate`` (residency, adapters,
 prefix caching and long-prompt tokenizing behave as in one process); every chunk
@@ -42,6 +46,7 @@ from trae_groups.engine.memory import LARGE_PIECE_BYTES, TrimSoon
 from trae_groups.engine.passing_threads import PassingThreads
 from trae_groups.engine.protocol import ModelClient
 from trae_groups.engine_process.wire import CHUNK, ERROR, RESULT, Channel, chunk_fields, pack_error
+from trae_groups.graphs import tracing
 from trae_groups.graphs.routing import RouteError
 from trae_groups.graphs.runtime import engine_name, host_for, load_clients, model_load, settle_heap
 from trae_groups.graphs.spec import GraphSpec
@@ -231,21 +236,25 @@ class EngineServer:
             self.sent[0] += len(batch)
             self.sent[1] += 1
 
-    def _generate(self, front: Channel, sid: int, binding: int, key: tuple, request: Any) -> None:
+    def _generate(
+        self, front: Channel, sid: int, binding: int, key: tuple, request: Any, trace: Any
+    ) -> None:
         try:
             client = self._client(binding, key)
             stream = client.generate(request)
         except Exception as exc:  # RequestError, EngineStopped, ...: before any work
             self._out(front, sid, ERROR, exc)
             return
-        task = self.loop.create_task(self._pump(front, sid, stream, _is_large(request)))
+        span = _span(client, request, trace)
+        task = self.loop.create_task(self._pump(front, sid, stream, _is_large(request), span))
         self.streams[sid] = Live(task, client, request.request_id, front)
 
-    async def _pump(self, front: Channel, sid: int, stream: Any, large: bool) -> None:
+    async def _pump(self, front: Channel, sid: int, stream: Any, large: bool, span: Any) -> None:
         try:
-            async with aclosing(stream):
-                async for chunk in stream:
-                    self._out(front, sid, CHUNK, chunk)
+            with span:
+                async with aclosing(stream):
+                    async for chunk in stream:
+                        self._out(front, sid, CHUNK, chunk)
         except asyncio.CancelledError:
             pass  # aborted by the front: aclosing closed the stream, which aborted the work
         except Exception as exc:
@@ -256,10 +265,12 @@ class EngineServer:
                 self.trim.request()
 
     async def _encode(
-        self, front: Channel, sid: int, binding: int, key: tuple, request: Any
+        self, front: Channel, sid: int, binding: int, key: tuple, request: Any, trace: Any
     ) -> None:
         try:
-            result = await self._client(binding, key).encode(request)
+            client = self._client(binding, key)
+            with _span(client, request, trace):
+                result = await client.encode(request)
             self._out(front, sid, RESULT, result)
         except asyncio.CancelledError:
             pass
@@ -370,6 +381,15 @@ def _exit_after(seconds: float) -> None:
     timer.start()
 
 
+def _span(client: ModelClient, request: Any, trace: dict | None) -> Any:
+    """This process's span of one request (graphs/tracing.py), in the caller's trace."""
+    return tracing.served_span(
+        f"engine {client.name}",
+        trace,
+        **{"trae.model": client.name, "trae.request_id": request.request_id},
+    )
+
+
 def _is_large(request: Any) -> bool:
     """A prompt or chat of at least LARGE_PIECE_BYTES characters."""
     if isinstance(request.prompt, str):
@@ -386,7 +406,9 @@ def main(argv: list[str]) -> int:
     )
     conn = Connection(int(argv[1]))
     listen = argv[3] if len(argv) > 3 and argv[3] != "-" else None
+    tracing.configure_from_env(service_name="trae-groups-engine")
     asyncio.run(EngineServer(conn, listen).serve())
+    tracing.shutdown()  # the spans still batched go out
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # engine threads are stopped; do not wait on anything else

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from trae_groups.engine.errors import EngineStopped
 from trae_groups.engine.protocol import EncodeRequest, GenerateRequest, GenerationChunk, ModelStats
+from trae_groups.graphs import tracing
 
 if TYPE_CHECKING:
     from trae_groups.engine_process.runtime import EngineProcessRuntime
@@ -42,15 +43,18 @@ class EngineClient:
         self.task = task
 
     async def encode(self, request: EncodeRequest) -> dict[str, Any]:
-        return await self._runtime.encode(self._binding, self._key, request)
+        return await self._runtime.encode(self._binding, self._key, request, tracing.carried())
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Sent at the first step of the iteration (a stream never iterated costs the
-        engine nothing); a RequestError comes from that step."""
-        return self._chunks(request)
+        engine nothing); a RequestError comes from that step. The caller's trace context
+        (graphs/tracing.py) goes with it."""
+        return self._chunks(request, tracing.carried())
 
-    async def _chunks(self, request: GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
-        stream = self._runtime.open_stream(self._binding, self._key, request)
+    async def _chunks(
+        self, request: GenerateRequest, trace: dict[str, str] | None
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        stream = self._runtime.open_stream(self._binding, self._key, request, trace)
         self._live[request.request_id] = stream.sid
         finished = False
         running = request.params.num_sequences  # each of them ends with a finished chunk

@@ -335,10 +335,13 @@ class EngineProcessRuntime:
             self._journal.append((op, args, binding))
             return value
 
-    async def encode(self, binding: int, key: tuple, request: EncodeRequest) -> dict[str, Any]:
+    async def encode(
+        self, binding: int, key: tuple, request: EncodeRequest, trace: dict | None = None
+    ) -> dict[str, Any]:
         """One encoder item: its result comes back on a stream of one, with the step's
-        other outputs; leaving early cancels it (the batch skips it)."""
-        stream = self._open_stream("enc", binding, key, request)
+        other outputs; leaving early cancels it (the batch skips it). ``trace``: the
+        caller's W3C trace context, which the engine process's span joins."""
+        stream = self._open_stream("enc", binding, key, request, trace)
         finished = False
         try:
             item = await stream.queue.get()
@@ -349,11 +352,15 @@ class EngineProcessRuntime:
             raise item
         return item
 
-    def open_stream(self, binding: int, key: tuple, request: GenerateRequest) -> Stream:
+    def open_stream(
+        self, binding: int, key: tuple, request: GenerateRequest, trace: dict | None = None
+    ) -> Stream:
         """From the event loop: the generation sent, its chunks to come on the stream."""
-        return self._open_stream("gen", binding, key, request)
+        return self._open_stream("gen", binding, key, request, trace)
 
-    def _open_stream(self, kind: str, binding: int, key: tuple, request: Any) -> Stream:
+    def _open_stream(
+        self, kind: str, binding: int, key: tuple, request: Any, trace: dict | None
+    ) -> Stream:
         stream = Stream(0, asyncio.get_running_loop(), asyncio.Queue(), request.request_id)
         with self._lock:
             channel = self._channel
@@ -361,7 +368,7 @@ class EngineProcessRuntime:
                 raise EngineLost(self._down or "the engine process is not running")
             stream.sid = next(self._ids)
             self._streams[stream.sid] = stream
-            channel.send((kind, stream.sid, binding, key, request))
+            channel.send((kind, stream.sid, binding, key, request, trace))
         return stream
 
     def abort_stream(self, sid: int) -> None:

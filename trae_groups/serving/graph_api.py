@@ -88,6 +88,7 @@ async def run_graph(request: Request) -> Response:
             session=request.headers.get("x-session-id"),
             deadline=deadline,
             traceparent=request.headers.get("traceparent"),
+            tracestate=request.headers.get("tracestate"),
         )
         headers = {"X-Request-ID": prepared.request_id}
         if body.stream:

@@ -64,6 +64,7 @@ from trae_groups.graphs.executor import RunResult
 from trae_groups.graphs.spec import GenerateNode, GraphSpec
 from trae_groups.graphs.types import sampling_field
 from trae_groups.serving.app_state import AppState, ServedGraph
+from trae_groups.serving.call_tracing import CallTrace, ModelCall, carrying
 from trae_groups.serving.http_errors import HTTPError, bad_request, error_body, not_found
 from trae_groups.serving.http_io import Emit, header_deadline, read_json, sse, until_disconnect
 from trae_groups.serving.openai_logprobs import MAX_LEGACY_LOGPROBS, chat_content, legacy
@@ -470,15 +471,21 @@ async def embeddings(request: Request) -> Response:
     texts = body.texts()
     options = EncodeOptions(pooling=body.pooling, normalize=body.normalize)
     request_id = new_request_id("embd")
-    async with _scope(state, target, "embeddings") as run:
+    async with _scope(state, target, "embeddings", request) as run:
         client = _version(run.executor.models[target.model], body.user)
+        traced = _model_call(run.trace, request_id, target, client, items=len(texts))
 
         async def encode_all() -> list[dict]:
-            calls = [
-                client.encode(EncodeRequest(text, f"{request_id}/{i}", options))
-                for i, text in enumerate(texts)
-            ]
-            return await asyncio.gather(*calls)
+            with carrying(run.trace):  # gather's tasks take the context as it is now
+                results = await asyncio.gather(
+                    *(
+                        client.encode(EncodeRequest(text, f"{request_id}/{i}", options))
+                        for i, text in enumerate(texts)
+                    )
+                )
+            if traced is not None:
+                traced.ended()
+            return results
 
         results, gone = await until_disconnect(request.receive, encode_all)
         if gone:
@@ -597,6 +604,7 @@ class _LLMCall:
     ``best_of`` > n, the n of highest cumulative logprob are kept, most likely first."""
 
     result: RunResult | None = None  # a model call has no graph run
+    traced: ModelCall | None = None  # traced: what the request's model span shows
 
     def __init__(
         self,
@@ -709,6 +717,8 @@ class _LLMCall:
             started.add(chunk.index)
             if chunk.error:
                 raise HTTPError(500, f"generation failed: {chunk.error}", type="GenerationFailed")
+            if chunk.finished and self.traced is not None:
+                self.traced.ended(chunk)
             if chunk.finished and chunk.finish_reason == "abort":
                 raise HTTPError(503, "generation was aborted", type="Aborted")
             if chunk.finished and chunk.finish_reason == "deadline":
@@ -780,6 +790,7 @@ class _GraphCall:
             timeout=due[0],
             deadline=due[1],
             max_tokens={target.node: max_tokens} if max_tokens else None,
+            traceparent=run.trace.parent() if run.trace is not None else None,
         )  # an InputError here is a 422; past the deadline estimate, 503
         self.request_id = self.prepared.request_id
         self.result: RunResult | None = None  # the graph run's, once it ends
@@ -830,11 +841,37 @@ class _GraphCall:
 # ---------------------------------------------------------------- responses
 
 
-def _scope(state: AppState, target: Target, endpoint: str) -> RunScope:
-    """The run scope of one OpenAI request: a chat graph's outcome is its graph's too."""
+def _scope(state: AppState, target: Target, endpoint: str, request: Request) -> RunScope:
+    """The run scope of one OpenAI request: a chat graph's outcome is its graph's too;
+    traced, its span's parent is the request's W3C trace context."""
     return RunScope(
-        state, target.served, graph=target.model is None, endpoint=(endpoint, target.id)
-    )
+        state, target.served, graph=target.model is None, endpoint=(endpoint, target.id),
+        trace=CallTrace.start(endpoint, target.id, request.headers),
+    )  # fmt: skip
+
+
+def started(run: RunScope, start: Callable[[RunScope], Any]) -> Any:
+    """The call made on its run scope; traced, its engine work carries the model span's
+    context, and the span reads what the call saw."""
+    with carrying(run.trace):
+        call = start(run)
+    if run.trace is not None:
+        run.trace.request_id = call.request_id
+    if isinstance(call, _LLMCall):
+        call.traced = _model_call(
+            run.trace, call.request_id, call.target, call.client, prompts=len(call.requests)
+        )
+    return call
+
+
+def _model_call(
+    trace: CallTrace | None, request_id: str, target: Target, client: Any, **counts: int
+) -> ModelCall | None:
+    """The record of a request's work on its model, for its span (None: not traced)."""
+    if trace is None:
+        return None
+    trace.request_id = request_id
+    return trace.model_call(target.model, target.task, client.name, target.adapter, **counts)
 
 
 async def _respond(
@@ -842,9 +879,9 @@ async def _respond(
     logprobs: bool = False,
 ):  # fmt: skip
     """Admit, start the call, and answer: one JSON object, or SSE chunks then [DONE]."""
-    async with _scope(state, target, "chat" if chat else "completions") as run:
+    async with _scope(state, target, "chat" if chat else "completions", request) as run:
         limit = _Limit(state.config.openai_timeout_s)
-        call = start(run)
+        call = started(run, start)
         run.closing(call.close)
         await limit.within(call.open)
         shape = _Shape(call.request_id, target.id, int(time.time()), chat, tools, logprobs, body.n)

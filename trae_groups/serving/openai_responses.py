@@ -35,6 +35,7 @@ from trae_groups.serving.openai_api import (
     _Piece,
     _scope,
     chat_call,
+    started,
 )
 from trae_groups.serving.run_scope import CLIENT_GONE, RunScope
 
@@ -198,9 +199,9 @@ async def _create(request: Request) -> Response:
     body = _parse(ResponsesRequest, await read_json(request, state.config.max_body_bytes))
     target, start, reading = chat_call(request, state, _chat_body(body))
     shape = _Response(new_request_id("resp"), target.id, int(time.time()), body)
-    async with _scope(state, target, "responses") as run:
+    async with _scope(state, target, "responses", request) as run:
         limit = _Limit(state.config.openai_timeout_s)
-        call = start(run)
+        call = started(run, start)
         run.closing(call.close)
         await limit.within(call.open)
         if body.stream:

@@ -65,11 +65,13 @@ class RunScope:
         *,
         graph: bool = True,
         endpoint: tuple[str, str] | None = None,
+        trace: Any = None,
     ):
         self.state = state
         self.served = served
         self.graph = graph
         self.endpoint = endpoint
+        self.trace = trace  # an OpenAI request's CallTrace (serving/call_tracing.py), if traced
         self.executor: GraphExecutor | None = None  # set at admission
         self.deadline: Deadline | None = None  # set when the run is prepared
         self.start = time.perf_counter()  # the run's start (perf_counter), for latencies
@@ -156,6 +158,8 @@ class RunScope:
         finally:
             self.served.leave(self.executor)
             self.state.released(self.served)
+            if self.trace is not None:
+                self.trace.finish()
 
     # -- the outcome, once -----------------------------------------------------------
     def succeeded(self, result: RunResult | None = None) -> None:
@@ -173,6 +177,8 @@ class RunScope:
         if self._settled:
             return
         self._settled = True
+        if self.trace is not None:
+            self.trace.settled(code, error)
         if self.graph:
             self._record_graph(code, result, error)
         if self.endpoint is not None:
