@@ -263,6 +263,7 @@ class LLMEngine:
             # the plain weights fusing and packing replaced: not counted, their file pages
             # given back
             self.store.settle(model)
+        eager_on_demand = on_demand and self.config.compile == "auto"
         overrides = {
             "max_num_seqs": max_num_seqs,
             "max_prompt_tokens": max_prompt_tokens,
@@ -270,7 +271,7 @@ class LLMEngine:
             "max_loras": max_loras,
             "max_lora_rank": max_lora_rank,
             "speculative": speculative,
-            "compile": False if on_demand and self.config.compile == "auto" else None,
+            "compile": False if eager_on_demand else None,
         }
         config = dataclasses.replace(
             self.config, **{k: v for k, v in overrides.items() if v is not None}
@@ -290,7 +291,7 @@ class LLMEngine:
             drafter=drafter,
         )
         sizes = compile_sizes(config, worker.runner)
-        if on_demand and self.config.compile == "auto":
+        if eager_on_demand:
             log.info("model %s: decode stays eager: it is resident on demand", name)
         elif config.compile == "auto" and not sizes:
             log.info("model %s: decode stays eager: %s", name, auto_compile_reason(worker.runner))

@@ -126,6 +126,13 @@ class LLMWorker(Worker):
             return chat.prompt_token_ids(self.tokenizer, request.prompt, request.inlined)
         return self.encode(request.prompt)
 
+    def _check_token_ids(self, field: str, tokens) -> int:
+        """RequestError on ``field`` unless every token id is in the vocabulary; its size."""
+        vocab = self.model.config.get_text_config().vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+            raise RequestError(field, f"token ids must be integers in [0, {vocab})")
+        return vocab
+
     @functools.cached_property
     def _chars_per_token_bound(self) -> int:
         """No token of this tokenizer covers more characters than this: its longest
@@ -162,9 +169,7 @@ class LLMWorker(Worker):
         tokens = self.encode(self.prompt_tokens(request))  # still text: no tokenizer, refused
         if not tokens:
             raise RequestError("prompt", "is empty")
-        vocab = self.model.config.get_text_config().vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
-            raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        vocab = self._check_token_ids("prompt", tokens)
         if any(not 0 <= token < vocab for token, _ in params.logit_bias):
             raise RequestError("logit_bias", f"token ids must be integers in [0, {vocab})")
         if len(tokens) >= self.max_model_len:
@@ -223,9 +228,7 @@ class LLMWorker(Worker):
         if isinstance(text, str) and self.tokenizer is None:
             raise RequestError("reference", f"model {self.name!r} has no tokenizer; send ids")
         tokens = tuple(self.encode(text if isinstance(text, str) else list(text)))
-        vocab = self.model.config.get_text_config().vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
-            raise RequestError("reference", f"token ids must be integers in [0, {vocab})")
+        self._check_token_ids("reference", tokens)
         with self._lock:
             if self.speculator is None:
                 config = SpeculativeConfig(method="follows")
