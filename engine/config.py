@@ -28,14 +28,13 @@ QUANTIZATIONS = ("int8",)  # weight quantizations the weight store applies (engi
 KV_CACHE_DTYPES = ("auto", *KV_STORAGE)
 MODEL_FORWARDS = ("auto", "transformers")
 COMPILE_MODES = (True, False, "auto")
-# What compile="auto" compiles: the single-stream decode step, where a step's Python and
-# small-op glue is the largest share (compiled: 0.89-0.93x of an eager SmolLM2 batch-1 step)
-# and one size costs ~50 s of compile cold, ~7 s with inductor's cache warm, run beside
-# serving. Larger batches are matmul-bound and gain less per second of compile
-# (docs/performance.md).
+# What compile="auto" compiles when TRAE_COMPILE=1 asks for it: the single-stream decode
+# step, run beside serving (~50 s cold, ~7 s with inductor's cache warm). Without it "auto"
+# stays eager: with the native attention kernels the eager step measured as fast or faster
+# (docs/engine.md). Larger batches are matmul-bound and gain less per second of compile.
 AUTO_COMPILE_SIZES = (1,)
-# "0" turns compile="auto" off for a process and the engine processes it starts (the test
-# suite sets it; a user who wants the fastest start-up may too); explicit True/False win
+# "1" makes compile="auto" compile AUTO_COMPILE_SIZES, "0" keeps it eager even then, for a
+# process and the engine processes it starts; explicit True/False win
 COMPILE_ENV = "TRAE_COMPILE"
 # Compiled constraints (engine/constraints.py measures them): one request's may take this
 # many bytes (a larger one is refused, a 422 naming the field that asked), and the compiled
@@ -98,8 +97,8 @@ class EngineConfig:
     # decode-only steps at fixed batch sizes (the batch padded up to one of these), prepared
     # once the pool has its size (at start): torch.compile on CPU (seconds to minutes each),
     # CUDA graphs on a GPU with the triton backend (engine/decode_graphs.py); others eager.
-    # True: every size of compile_batch_sizes; "auto": AUTO_COMPILE_SIZES where it pays
-    # (``auto_compile_reason``); False (or TRAE_COMPILE=0 in the environment for "auto"): none
+    # True: every size of compile_batch_sizes; "auto": none, or AUTO_COMPILE_SIZES where it
+    # works with TRAE_COMPILE=1 (``auto_compile_reason``); False: none
     compile: bool | str = "auto"
     compile_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     # bytes of weights held at once: on-demand models are evicted (least recently used,

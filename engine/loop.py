@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from trae_groups.engine.memory import IDLE_TRIM_S, trim_heap
 from trae_groups.engine.worker import Worker
 
 log = logging.getLogger("trae_groups.engine")
@@ -39,6 +40,7 @@ class EngineLoop:
         self.last_error: BaseException | None = None
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self.busy_seconds = 0.0  # time spent stepping workers: the device-utilisation metric
+        self.idle_trims = 0  # heap trims once idle after work (memory.IDLE_TRIM_S)
 
     # -- workers -------------------------------------------------------------
     def add_worker(self, worker: Worker) -> None:
@@ -150,17 +152,36 @@ class EngineLoop:
                 time.sleep(min(wait if wait is not None else 0.001, 0.01))
 
     def _run(self) -> None:
+        trim_at: float | None = None  # when to trim the heap if still idle (after work)
         while not self._stop:
             try:
                 if self.run_once():
+                    trim_at = -1.0  # worked: trim once the loop has been idle a while
                     continue
             except BaseException as exc:  # a worker bug: log it, keep serving others
                 self.last_error = exc
                 log.exception("engine step failed")
                 continue
+            now = time.monotonic()
+            if trim_at is not None and trim_at < 0:
+                trim_at = now + IDLE_TRIM_S
+            elif trim_at is not None and now >= trim_at:
+                self._trim_idle()
+                trim_at = None
+                continue
             with self._wake:
                 if self._stop:
                     break
                 if not self._pending_wake:
-                    self._wake.wait(self._sleep_time(time.monotonic()))
+                    wait = self._sleep_time(now)
+                    if trim_at is not None:
+                        wait = trim_at - now if wait is None else min(wait, trim_at - now)
+                    self._wake.wait(wait)
                 self._pending_wake = False
+
+    def _trim_idle(self) -> None:
+        """Between bursts, hand the heap's free memory back: glibc keeps what a burst's
+        steps freed (activations, logits, tokenizer and detokenizer work), so an idle
+        server would otherwise sit at its busiest size."""
+        trim_heap()
+        self.idle_trims += 1

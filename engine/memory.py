@@ -225,6 +225,12 @@ def trim_heap() -> None:
 LARGE_PIECE_BYTES = 256 << 10
 
 
+#: The engine loop trims the heap once it has been idle this long after work (engine/loop.py):
+#: measured on SmolLM2 after 32 x 100 offline runs, 1,470 -> 1,316 MB; a trim takes
+#: milliseconds and never runs between two steps of a burst
+IDLE_TRIM_S = 1.0
+
+
 class TrimSoon:
     """``trim_heap()`` once, ``delay_s`` after the last ``request()``: large pieces of work
     ask for it as they end, a burst of them costs one trim, on a thread of its own."""

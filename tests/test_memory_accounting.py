@@ -107,3 +107,26 @@ def test_int8_weights_are_counted_at_their_size(llama_dir):
     assert rows["int8"].bytes - (rows[None].bytes - float_bytes) >= int8_bytes
     assert rows["int8"].private_bytes >= int8_bytes
     assert quantized.model is not plain.model
+
+
+def test_the_engine_loop_trims_the_heap_once_idle_after_work(llama_dir):
+    """glibc keeps what a burst freed: the loop trims once it has been idle IDLE_TRIM_S
+    after work, and never while it sits idle with nothing done since."""
+    import time
+
+    from conftest import wait_until
+    from trae_groups.engine.memory import IDLE_TRIM_S
+    from trae_groups.engine.sampling import SamplingParams
+
+    engine = LLMEngine({"m": llama_dir}, EngineConfig(pool_bytes=4 << 20))
+    with engine.start():
+        loop = engine.loop
+        time.sleep(3 * IDLE_TRIM_S)
+        assert loop.idle_trims == 0  # no work yet: nothing to give back
+        engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
+        wait_until(lambda: loop.idle_trims >= 1, "a trim after the first burst")
+        after_first = loop.idle_trims
+        time.sleep(3 * IDLE_TRIM_S)
+        assert loop.idle_trims == after_first  # idle with nothing done since: no more trims
+        engine.generate([[8, 9]], SamplingParams(max_tokens=4))
+        wait_until(lambda: loop.idle_trims > after_first, "a trim after the second burst")
