@@ -353,6 +353,7 @@ def cmd_model_info(args: argparse.Namespace) -> int:
         }  # fmt: skip
         adapters = runtime.adapter_report()
         users = _model_users(executors)
+        follows = _follows_users(executors)
     finally:
         runtime.shutdown()
     rows = []
@@ -398,7 +399,7 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     adapter_bytes = sum(a.bytes for found in adapters.values() for a in found)
     if args.json:
         _print_json({"models": rows, "held_bytes": held, "adapter_bytes": adapter_bytes,
-                     "speculative": speculating})  # fmt: skip
+                     "speculative": speculating, "follows": follows})  # fmt: skip
         return 0
     _print_table(rows)
     naive = sum(r.bytes for r in reports)
@@ -413,7 +414,29 @@ def cmd_model_info(args: argparse.Namespace) -> int:
             f"accepted {c['spec_accepted_tokens']:g} of {c['spec_proposed_tokens']:g} proposed "
             f"({c['spec_acceptance_rate']:.0%}), {c['spec_drafting_seconds']:.3f} s drafting"
         )
+    for name, found in follows.items():
+        for f in found:
+            print(
+                f"speculative decoding: {name}: {f['node']} drafts from the text of "
+                f"{f['drafts_from']} (follows, up to {f['num_tokens']} tokens a step)"
+            )
     return 0
+
+
+def _follows_users(executors) -> dict[str, list[dict[str, Any]]]:
+    """Model name -> the generate nodes that draft from another node's text on it
+    (``speculative: {method: follows}``). A model set for no speculation gets its
+    speculator at the first request of one of them, so the engine's counters cannot show
+    it before then: the graphs say it."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for executor in executors:
+        graph, name = executor.graph, executor.graph.spec.name
+        for node, source in graph.references.items():
+            declared = graph.spec.nodes[node]
+            entry = {"node": f"{name}/{node}", "drafts_from": f"{name}/{source}",
+                     "num_tokens": declared.speculative.num_tokens}  # fmt: skip
+            found.setdefault(declared.model, []).append(entry)
+    return found
 
 
 def _model_users(executors) -> dict[str, list[str]]:
