@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from trae_groups.engine.deadlines import POLICIES
 from trae_groups.engine.spec_config import SpeculativeConfig
-from trae_groups.kernels.kv_quant import KV_STORAGE
+from trae_groups.kernels.kv_formats import KV_FORMATS
+
+if TYPE_CHECKING:  # torch is imported where a value needs it: validating a graph reads this
+    import torch  # module and must not load torch
 
 DEFAULT_LOAD_WAIT_S = 60.0
 # A decode step of the demo's model is ~35-45 ms on 2 CPU cores: a step held near 100 ms lets
@@ -20,12 +23,34 @@ DEFAULT_STEP_TIME_TARGET_MS = 100.0
 # The share of a GPU's memory the process may fill (weights, pool, everything): vLLM's
 # gpu_memory_utilization default. The rest is headroom for activations and other processes.
 DEFAULT_GPU_MEMORY_RESERVATION = 0.9
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _TorchDtypes(Mapping[str, "torch.dtype"]):
+    """dtype name -> torch dtype; torch is imported at the first lookup, not with the names."""
+
+    def __init__(self, *names: str):
+        self._names = names
+
+    def __getitem__(self, name: str) -> torch.dtype:
+        if name not in self._names:
+            raise KeyError(name)
+        import torch
+
+        return getattr(torch, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+DTYPES = _TorchDtypes("float32", "bfloat16", "float16")
 # "auto": each model whose graph does not set a dtype takes what the hardware runs fast,
 # if the accuracy gate allows (engine/auto_weights.py); float32 is what it starts from
 ENGINE_DTYPES = (*DTYPES, "auto")
 QUANTIZATIONS = ("int8",)  # weight quantizations the weight store applies (engine/quant.py)
-KV_CACHE_DTYPES = ("auto", *KV_STORAGE)
+KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
 MODEL_FORWARDS = ("auto", "transformers")
 COMPILE_MODES = (True, False, "auto")
 # What compile="auto" compiles when TRAE_COMPILE=1 asks for it: the single-stream decode
@@ -182,7 +207,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The dtype models load in; for "auto", float32, the reference the choice starts from."""
-        return DTYPES.get(self.dtype, torch.float32)
+        return DTYPES[self.dtype if self.dtype in DTYPES else "float32"]
 
     @property
     def memory_reservation(self) -> float:
@@ -193,12 +218,16 @@ class EngineConfig:
     @property
     def kv_storage(self) -> torch.dtype | None:
         """The one-byte dtype KV pages hold, or None: the model's own dtype."""
+        from trae_groups.kernels.kv_quant import KV_STORAGE
+
         return KV_STORAGE[self.kv_cache_dtype][0] if self.kv_cache_dtype in KV_STORAGE else None
 
     def pool_size(self) -> tuple[int, str]:
         """Bytes for the pool now, and where the figure comes from (for the log)."""
         if self.pool_bytes is not None:
             return self.pool_bytes, "pool_bytes"
+        import torch
+
         if torch.device(self.device).type == "cuda":
             free, total = torch.cuda.mem_get_info(torch.device(self.device))
             size = reserved_pool_bytes(total, free, self.memory_reservation)
@@ -231,6 +260,8 @@ def reserved_pool_bytes(total: int, free: int, reservation: float) -> int:
 
 
 def available_memory(device: str) -> int:
+    import torch
+
     dev = torch.device(device)
     if dev.type == "cuda":
         free, _total = torch.cuda.mem_get_info(dev)

@@ -29,16 +29,18 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from trae_groups.engine.config import DEFAULT_CONSTRAINT_CACHE_BYTES, DEFAULT_MAX_CONSTRAINT_BYTES
 from trae_groups.engine.errors import RequestError
+
+if TYPE_CHECKING:  # torch is imported where masks are built: a graph's validation needs none
+    import torch
 
 ConstraintKind = Literal["json_schema", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json_schema", "regex", "choice", "grammar")
@@ -270,6 +272,7 @@ class Grammars:
 
     def _compile(self, constraint: Constraint) -> tuple[Any, int]:
         """The compiled matcher and its measured bytes (see the module docstring)."""
+        import torch
         from llguidance import LLMatcher
 
         grammar = constraint.grammar()
@@ -302,6 +305,8 @@ class Grammars:
 
 def fill_masks(matchers: list[Any], words: int) -> torch.Tensor:
     """One bitmask row per matcher: bit t of a row set when token t is allowed."""
+    import torch
+
     masks = torch.empty((len(matchers), words), dtype=torch.int32)
     for row, matcher in enumerate(matchers):
         view = masks[row]
@@ -309,11 +314,16 @@ def fill_masks(matchers: list[Any], words: int) -> torch.Tensor:
     return masks
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
+@functools.cache
+def _bits() -> torch.Tensor:
+    """0..31, the shifts that spread an int32 word into its bits (made once)."""
+    import torch
+
+    return torch.arange(32, dtype=torch.int32)
 
 
 def apply_masks(logits: torch.Tensor, masks: torch.Tensor) -> None:
     """Set to -inf, in place, the logits of tokens the bitmasks do not allow."""
     vocab = logits.shape[-1]
-    allowed = ((masks.unsqueeze(-1) >> _BITS) & 1).reshape(masks.shape[0], -1)[:, :vocab]
+    allowed = ((masks.unsqueeze(-1) >> _bits()) & 1).reshape(masks.shape[0], -1)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))

@@ -472,9 +472,7 @@ class LLMEngine:
             for i, (prompt, p, adapter, ref) in enumerate(
                 zip(prompts, params, adapters, refs, strict=True)
             ):
-                request = dataclasses.replace(
-                    _request(prompt, p, None, None, adapter), reference=ref
-                )
+                request = _request(prompt, p, None, None, adapter, reference=ref)
                 ids.append(request.request_id)
                 client.submit(request, sink_for(i))
         except BaseException:
@@ -536,8 +534,10 @@ def _request(
     request_id: str | None,
     priority: Priority | None,
     adapter: str | None,
+    reference: Reference | None = None,
 ) -> GenerateRequest:
-    """The offline API's arguments as the one typed request every client takes."""
+    """The offline API's arguments as the one typed request every client takes
+    (``reference``: a text the reply is likely to copy, speculative ``follows``)."""
     if isinstance(prompt, str):
         text: str | tuple[int, ...] = prompt
     elif isinstance(prompt, Sequence):
@@ -550,4 +550,5 @@ def _request(
         prompt=text,
         priority=priority or Priority(),
         adapter=adapter,
+        reference=reference,
     )

@@ -15,13 +15,15 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from trae_groups.engine.deadlines import Priority
 from trae_groups.engine.errors import RequestError
-from trae_groups.engine.memory_pool import PoolStats
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.spec_config import Reference
+
+if TYPE_CHECKING:  # the pool module imports torch; the protocol's users (graphs) need none
+    from trae_groups.engine.memory_pool import PoolStats
 
 
 def new_request_id(prefix: str = "req") -> str:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from trae_groups.engine.constraints import Constraint, apply_masks
 from trae_groups.engine.errors import RequestError
+
+if TYPE_CHECKING:  # the functions that sample import torch; the parameters need none (a
+    import torch  # graph is validated against them without it)
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,8 @@ def apply_repetition_penalty(
     logits: torch.Tensor, seen: list[list[int]], penalties: list[float]
 ) -> None:
     """HF's rule: divide positive logits of seen tokens by the penalty, multiply negative."""
+    import torch
+
     for row, (tokens, penalty) in enumerate(zip(seen, penalties, strict=True)):
         if penalty == 1.0 or not tokens:
             continue
@@ -194,6 +198,8 @@ def apply_repetition_penalty(
 
 def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on a batch of rows that sample."""
+    import torch
+
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
     logits = logits / temps[:, None]
     ks = [p.top_k for p in params]
@@ -220,6 +226,8 @@ def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
 
 def apply_logit_bias(logits: torch.Tensor, biases: list[tuple[tuple[int, float], ...]]) -> None:
     """OpenAI's ``logit_bias``: each row's biases added to its logits, in place."""
+    import torch
+
     for row, bias in enumerate(biases):
         if bias:
             ids = torch.tensor([token for token, _ in bias], device=logits.device)
@@ -233,6 +241,8 @@ def score_tokens(
     """Each row's log-probability of its target token and its ``top`` most likely tokens,
     from the model's own distribution (no temperature, penalty or bias): what a prompt's
     tokens score (``prompt_logprobs``)."""
+    import torch
+
     logp = logits.float().log_softmax(-1)
     index = torch.tensor(targets, device=logp.device)[:, None]
     picked = logp.gather(1, index).squeeze(1).tolist()
@@ -248,6 +258,8 @@ class Sampler:
     seeded request gives the same tokens whatever else shares its batch."""
 
     def __init__(self):
+        import torch
+
         self._default = torch.Generator().manual_seed(torch.seed() % (2**63))
 
     def __call__(
@@ -262,6 +274,8 @@ class Sampler:
         other rows are sampled exactly as without them. Logprobs (rows that ask only) are
         of the distribution sampled from: after repetition penalty, ``logit_bias`` and
         temperature, before top-k/top-p/min-p and constraint masks."""
+        import torch
+
         scored, logits = self.adjust(logits, params, seen, masks)
         tokens = logits.argmax(-1)
         rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -305,6 +319,8 @@ class Sampler:
     def draw(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """One token per row of ``probs`` [rows, vocab], one uniform from each row's
         generator (the sampler's own for None)."""
+        import torch
+
         uniform = 1.0 - torch.stack(  # in (0, 1]: never picks a zero-probability token
             [torch.rand((), generator=g or self._default) for g in generators]
         )
@@ -314,6 +330,8 @@ class Sampler:
 
     def uniform(self, generator: torch.Generator | None) -> float:
         """A uniform in [0, 1) from ``generator`` (the sampler's own for None)."""
+        import torch
+
         return float(torch.rand((), generator=generator or self._default))
 
 
@@ -326,6 +344,8 @@ def add_logprobs(
 ) -> None:
     """The chosen tokens' logprobs and top alternatives of the rows that ask (None for
     the others), at each row's temperature (greedy rows: 1)."""
+    import torch
+
     idx = torch.tensor(asked)
     temps = torch.tensor([params[i].temperature or 1.0 for i in asked], dtype=logits.dtype)
     logp = (logits[idx] / temps[:, None]).log_softmax(-1)

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from trae_groups.kernels.kv_formats import KV_FORMATS
+
 # kv_cache_dtype name -> (storage dtype, largest magnitude it holds)
 KV_STORAGE: dict[str, tuple[torch.dtype, float]] = {
-    "int8": (torch.int8, 127.0),
-    "fp8": (torch.float8_e4m3fn, 448.0),
+    name: (getattr(torch, dtype), qmax) for name, (dtype, qmax) in KV_FORMATS.items()
 }
 SCALE_DTYPE = torch.float16
 MIN_SCALE = 2.0**-24  # float16's smallest (subnormal) value: an all-zero head divides safely

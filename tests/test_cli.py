@@ -167,6 +167,66 @@ def test_show_writes_mermaid_dot_and_png_files(root, tmp_path):
         assert "Graphviz" in png.stderr
 
 
+# every part of a graph that reaches into the engine's option tables: resources (checked by
+# EngineConfig), an output schema (compiled by llguidance), speculative follows, a streamed
+# edge, sampling ranges, quantization, a KV cache dtype and a python node
+ENGINE_OPTIONS = """\
+name: options
+resources: {pool_bytes: 64MiB, weight_budget: 1GiB}
+models:
+  llm: {source: ./nowhere/llm, task: generate, quantization: int8, max_batch_size: 8}
+inputs: {text: str}
+nodes:
+  extract:
+    model: llm
+    prompt: "{{ inputs.text }}"
+    output_schema: {type: object, properties: {n: {type: integer}}, required: [n]}
+  reply:
+    model: llm
+    prompt: "User: {{ inputs.text }} Assistant:"
+    params: {max_tokens: 8, temperature: 0.5, top_p: 0.9}
+  rewrite:
+    model: llm
+    follows: {node: reply, tokens: 4}
+    speculative: {method: follows, num_tokens: 4}
+    prompt: "Rewrite: {{ reply.text }}"
+  glue: {function: "json:dumps", args: {obj: "{{ extract.json.n }}"}}
+outputs: {n: extract.json.n, rewrite: rewrite.text, glue: glue}
+"""
+# runs one command through main() and reports which heavy modules it imported
+IMPORTS_SCRIPT = """\
+import json, sys
+from trae_groups.cli import main
+code = main(sys.argv[1:])
+heavy = ("torch", "transformers", "triton", "numpy")
+print(json.dumps({"code": code, "imported": [m for m in heavy if m in sys.modules]}))
+"""
+
+
+@pytest.mark.parametrize("command", ["validate", "show"])
+def test_commands_that_read_a_graph_import_no_torch(command, tmp_path):
+    (tmp_path / "options.yaml").write_text(ENGINE_OPTIONS)
+    support = Path(__file__).parents[1] / "examples" / "support.yaml"
+    flags = ["--skip-models"] if command == "validate" else []
+    for graph in (str(support), "options.yaml"):
+        done = subprocess.run(
+            [sys.executable, "-c", IMPORTS_SCRIPT, command, *flags, graph],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        report = json.loads(done.stdout.splitlines()[-1])
+        assert report == {"code": 0, "imported": []}, (graph, report)
+    if command == "validate":  # the engine's ranges are still checked, without torch
+        bad = ENGINE_OPTIONS.replace("pool_bytes: 64MiB", "pool_bytes: 0")
+        (tmp_path / "bad.yaml").write_text(bad)
+        done = subprocess.run(
+            [sys.executable, "-c", IMPORTS_SCRIPT, command, *flags, "bad.yaml"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert "bad.yaml:2: resources: pool_bytes: must be > 0" in done.stderr, done.stderr
+        assert json.loads(done.stdout) == {"code": 1, "imported": []}
+
+
 def test_health_of_nothing_listening_exits_1(root):
     done = trae("health", "--url", f"http://127.0.0.1:{free_port()}", cwd=root)
     assert done.returncode == 1

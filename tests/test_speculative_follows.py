@@ -4,6 +4,8 @@ and through a graph (a plain edge and a streamed one); where the declaration is 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from test_engine import assert_parity, engine, prompts
 
@@ -335,3 +337,25 @@ def test_the_dsl_declares_it_the_same_way(llm):
     group.output("rewrite", rewrite.text)
     declared = group.spec().nodes["rewrite"].speculative
     assert (declared.method, declared.num_tokens, declared.node) == ("follows", 6, "reply")
+
+
+def test_model_info_says_which_nodes_draft_from_another(llm, tmp_path, capsys):
+    from trae_groups.cli import main
+
+    (tmp_path / "rewrite.yaml").write_text(graph(llm, FOLLOWS))
+    (tmp_path / "plain.yaml").write_text(graph(llm).replace("name: rewrite", "name: plain"))
+    argv = ["model", "info", str(tmp_path / "rewrite.yaml"), str(tmp_path / "plain.yaml")]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # the model is set for no speculation: its speculator comes with the first such request
+    assert report["speculative"] == {}
+    assert report["follows"] == {
+        "llm": [{"node": "rewrite/rewrite", "drafts_from": "rewrite/reply", "num_tokens": 6}]
+    }
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    line = (
+        "speculative decoding: llm: rewrite/rewrite drafts from the text of rewrite/reply "
+        "(follows, up to 6 tokens a step)"
+    )
+    assert line in lines, lines

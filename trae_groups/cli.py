@@ -11,7 +11,7 @@
     trae profile plot FILE [-o mem.png]    a memory profile (serve --memory-profile) as a chart
     trae bench GRAPH.yaml --clients N --requests M [--url URL] [--input JSON]
 
-Commands that only read graphs (validate, show, health) import no model code, so
+Commands that only read graphs (validate, show, health) import neither torch nor model code, so
 they answer at once. Results go to stdout as JSON; logs and errors go to stderr.
 """
 
@@ -92,18 +92,19 @@ def _print_json(data: Any) -> None:
 # ---------------------------------------------------------------- engine options
 
 
-# engine.config.KV_CACHE_DTYPES, spelled out so that parsing imports no torch (a test checks
-# the two agree)
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-STEP_TIME_TARGET_MS = 100.0  # engine.config.DEFAULT_STEP_TIME_TARGET_MS, likewise
-
-
 def _engine_options(parser: argparse.ArgumentParser) -> None:
+    # the engine's own tables (engine/config.py imports no torch)
+    from trae_groups.engine.config import (
+        DEFAULT_STEP_TIME_TARGET_MS,
+        ENGINE_DTYPES,
+        KV_CACHE_DTYPES,
+    )
+
     group = parser.add_argument_group("engine")
     group.add_argument("--pool-bytes", type=parse_size, help="memory pool size, e.g. 512MiB")
     group.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cpu)")
     group.add_argument(
-        "--dtype", default=None, choices=["float32", "float16", "bfloat16", "auto"],
+        "--dtype", default=None, choices=ENGINE_DTYPES,
         help="for models whose graph sets none; auto: bfloat16 where the hardware has bf16 "
         "matmuls (AVX512-BF16/AMX, or a GPU) and the accuracy gate allows it, else float32 "
         "(default: auto for trae serve, float32 elsewhere)",
@@ -120,7 +121,7 @@ def _engine_options(parser: argparse.ArgumentParser) -> None:
         "(default: the graph's resources:, else no limit)",
     )  # fmt: skip
     group.add_argument(
-        "--step-time-target-ms", type=float, default=STEP_TIME_TARGET_MS, metavar="MS",
+        "--step-time-target-ms", type=float, default=DEFAULT_STEP_TIME_TARGET_MS, metavar="MS",
         help="while requests stream, a step carries only the prompt tokens that keep it near "
         "MS milliseconds, by the model's measured step cost; 0: no limit (default: %(default)s)",
     )  # fmt: skip
@@ -352,6 +353,7 @@ def cmd_model_info(args: argparse.Namespace) -> int:
         }  # fmt: skip
         adapters = runtime.adapter_report()
         users = _model_users(executors)
+        follows = _follows_users(executors)
     finally:
         runtime.shutdown()
     rows = []
@@ -397,7 +399,7 @@ def cmd_model_info(args: argparse.Namespace) -> int:
     adapter_bytes = sum(a.bytes for found in adapters.values() for a in found)
     if args.json:
         _print_json({"models": rows, "held_bytes": held, "adapter_bytes": adapter_bytes,
-                     "speculative": speculating})  # fmt: skip
+                     "speculative": speculating, "follows": follows})  # fmt: skip
         return 0
     _print_table(rows)
     naive = sum(r.bytes for r in reports)
@@ -412,7 +414,29 @@ def cmd_model_info(args: argparse.Namespace) -> int:
             f"accepted {c['spec_accepted_tokens']:g} of {c['spec_proposed_tokens']:g} proposed "
             f"({c['spec_acceptance_rate']:.0%}), {c['spec_drafting_seconds']:.3f} s drafting"
         )
+    for name, found in follows.items():
+        for f in found:
+            print(
+                f"speculative decoding: {name}: {f['node']} drafts from the text of "
+                f"{f['drafts_from']} (follows, up to {f['num_tokens']} tokens a step)"
+            )
     return 0
+
+
+def _follows_users(executors) -> dict[str, list[dict[str, Any]]]:
+    """Model name -> the generate nodes that draft from another node's text on it
+    (``speculative: {method: follows}``). A model set for no speculation gets its
+    speculator at the first request of one of them, so the engine's counters cannot show
+    it before then: the graphs say it."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for executor in executors:
+        graph, name = executor.graph, executor.graph.spec.name
+        for node, source in graph.references.items():
+            declared = graph.spec.nodes[node]
+            entry = {"node": f"{name}/{node}", "drafts_from": f"{name}/{source}",
+                     "num_tokens": declared.speculative.num_tokens}  # fmt: skip
+            found.setdefault(declared.model, []).append(entry)
+    return found
 
 
 def _model_users(executors) -> dict[str, list[str]]:
