@@ -18,6 +18,22 @@ medians of --runs, ratios against off, and server CPU per request (front and eng
 process together).
 
     python bench/tracing_cost.py [--clients 16] [--requests 320] [--runs 5]
+
+On a shared machine the served figures swing with the other work (an idle wait costs CPU
+too, so CPU per request follows latency). ``--in-process`` asks the narrower question:
+one process serves the graph (a server thread, its engine process as deployed), one
+client sends requests one at a time, and tracing is switched off and on in place, in
+alternating rounds; the CPU time (user + system, the process and its engine process,
+client included alike) per request is compared, with the sink in a process of its own:
+
+    python bench/tracing_cost.py --in-process [--requests 200] [--runs 5]
+
+``--spans`` isolates the tracing work itself: what one graph request (3 nodes, a generate
+node's phases, an engine span per node) and one chat completion make of spans, through
+the same functions, exported over OTLP/HTTP to the sink process; CPU time per request,
+building (the request's thread) and exporting (the batch processor's thread) apart:
+
+    python bench/tracing_cost.py --spans [--requests 2000]
 """
 
 from __future__ import annotations
@@ -149,18 +165,170 @@ def start_server(graph: Path, mode: str, sink: str) -> tuple[subprocess.Popen, s
     return server, f"http://127.0.0.1:{port}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=320)
-    parser.add_argument("--runs", type=int, default=5)
-    args = parser.parse_args()
+def build_graph() -> Path:
     root = Path(tempfile.mkdtemp(prefix="trae-tracing-bench-"))
     build_encoder(root / "intent", "classify", ["greet", "order", "spam"])
     build_encoder(root / "ner", "tag", ["O", "B-LOC", "I-LOC"], seed=1)
     build_llm(root / "dialog", "llama")
     graph = root / "tiny.yaml"
     graph.write_text(GRAPH.format(root=root))
+    return graph
+
+
+def serve_sink(port: int) -> None:
+    """The sink alone (``--sink PORT``): a process of its own for ``--in-process``."""
+    http.server.ThreadingHTTPServer(("127.0.0.1", port), _Sink).serve_forever()
+
+
+def in_process(args: argparse.Namespace) -> None:
+    """Tracing off and on in one serving process, requests one at a time (module doc)."""
+    import httpx
+
+    from trae_groups.engine import EngineConfig
+    from trae_groups.graphs import tracing
+    from trae_groups.serving.server import ServerConfig, ServerThread, create_app
+
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        del os.environ[name]
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # the engine process batches like the front
+    port = loadgen.free_port()
+    sink = subprocess.Popen([sys.executable, __file__, "--sink", str(port)])
+    config = ServerConfig(engine=EngineConfig(pool_bytes=64 << 20), engine_process=True)
+    calls = {
+        "graph": ("/v1/graphs/tiny", {"inputs": INPUTS}),
+        "chat": ("/v1/chat/completions", CHAT),
+    }
+    cpu: dict[tuple[str, str], list[float]] = {(w, m): [] for w in calls for m in ("off", "on")}
+    try:
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{port}"  # the engine's
+        with (
+            ServerThread(create_app([build_graph()], config)) as server,
+            httpx.Client(base_url=server.url, timeout=120) as client,
+        ):
+            tracing.shutdown()  # the front switches in place; the engine process stays on
+
+            def served_cpu() -> float:  # this process and its engine process, not the sink
+                return tree_cpu(os.getpid()) - tree_cpu(sink.pid)
+
+            def measure(workload: str, mode: str, n: int) -> float:
+                path, body = calls[workload]
+                before = served_cpu()
+                for _ in range(n):
+                    answer = client.post(path, json=body)
+                    assert answer.status_code == 200, answer.text
+                if mode == "on":
+                    tracing.flush()  # the export of what it recorded counts too
+                return (served_cpu() - before) * 1000 / n
+
+            for workload in calls:  # warm-up
+                measure(workload, "off", 32)
+            for run in range(args.runs):
+                for mode in ("off", "on") if run % 2 == 0 else ("on", "off"):
+                    if mode == "on":
+                        tracing.configure(endpoint=f"http://127.0.0.1:{port}/v1/traces")
+                    for workload in calls:
+                        cpu[(workload, mode)].append(measure(workload, mode, args.requests))
+                    tracing.shutdown()
+    finally:
+        sink.terminate()
+        sink.wait(30)
+    print(f"CPU: {cpu_name()} ({os.cpu_count()} logical CPUs); load average "
+          f"{os.getloadavg()[0]:.1f}; {args.runs} runs of {args.requests} sequential requests")  # fmt: skip
+    for workload in calls:
+        off, on = (statistics.median(cpu[(workload, m)]) for m in ("off", "on"))
+        print(f"{workload}: CPU per request off {off:6.2f} ms, on {on:6.2f} ms"
+              f" ({on / off:5.3f}x of off, +{on - off:5.2f} ms)"
+              f"   runs off {[round(x, 2) for x in cpu[(workload, 'off')]]}"
+              f" on {[round(x, 2) for x in cpu[(workload, 'on')]]}")  # fmt: skip
+
+
+def spans_only(args: argparse.Namespace) -> None:
+    """The spans of one graph request and one chat, ``--requests`` times each (module doc)."""
+    import time
+    from types import SimpleNamespace
+
+    from trae_groups.engine.protocol import EnginePhases, GenerationChunk
+    from trae_groups.graphs import tracing
+    from trae_groups.graphs.executor import NodeRecord
+    from trae_groups.serving.call_tracing import CallTrace, carrying
+
+    os.environ["OTEL_BSP_MAX_QUEUE_SIZE"] = str(16 * args.requests)  # none dropped
+    port = loadgen.free_port()
+    sink = subprocess.Popen([sys.executable, __file__, "--sink", str(port)])
+    nodes = {
+        "intent": SimpleNamespace(kind="classify", model="intent", adapter=None),
+        "entities": SimpleNamespace(kind="tag", model="ner", adapter=None),
+        "reply": SimpleNamespace(kind="generate", model="dialog", adapter=None),
+    }
+    caller = {"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"}
+
+    def phases() -> EnginePhases:
+        now = time.time()
+        return EnginePhases(now, now + 0.001, now + 0.002, now + 0.004)
+
+    def graph_request() -> None:
+        trace, records = tracing.RunTrace(caller["traceparent"]), {}
+        for name in nodes:
+            token = tracing.carry(trace.headers(tracing.node_key(name)))
+            with tracing.served_span(f"engine {name}", tracing.carried(), **{"trae.model": name}):
+                pass  # the engine process's span, here in the same process
+            tracing.uncarry(token)
+            now = time.perf_counter()
+            records[name] = NodeRecord(status="ok", started=now, finished=now + 0.01)
+        records["reply"].usage = {"tokens": 4, "prompt_tokens": 12, "finish_reason": "length"}
+        records["reply"].phases = phases()
+        tracing.record_run("tiny", "tiny-1", trace, nodes, records, {}, None)
+
+    def chat_request() -> None:
+        trace = CallTrace.start("chat", "dialog", caller)
+        call = trace.model_call("dialog", "generate", "dialog", None)
+        with carrying(trace), tracing.served_span("engine dialog", tracing.carried()):
+            pass
+        call.ended(GenerationChunk("x", "", (), True, "length", 12, 4, phases=phases()))
+        trace.request_id = "chatcmpl-1"
+        trace.settled(200, None)
+        trace.finish()
+
+    time.sleep(5)  # the sink process imports what this file imports
+    tracing.configure(endpoint=f"http://127.0.0.1:{port}/v1/traces")
+    try:
+        print(f"CPU: {cpu_name()} ({os.cpu_count()} logical CPUs); load average "
+              f"{os.getloadavg()[0]:.1f}; {args.requests} requests of each")  # fmt: skip
+        for request in (graph_request, chat_request):
+            for _ in range(100):  # warm-up
+                request()
+            tracing.flush()
+            cpu, own = time.process_time(), time.thread_time()
+            for _ in range(args.requests):
+                request()
+            own = time.thread_time() - own
+            tracing.flush()
+            cpu = time.process_time() - cpu
+            n = args.requests / 1000
+            print(f"{request.__name__}: {cpu / n:.3f} ms CPU per request (building "
+                  f"{own / n:.3f} ms, exporting {(cpu - own) / n:.3f} ms)")  # fmt: skip
+    finally:
+        tracing.shutdown()
+        sink.terminate()
+        sink.wait(30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=320)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--in-process", action="store_true", help="tracing off/on in place")
+    parser.add_argument("--spans", action="store_true", help="the tracing work alone")
+    parser.add_argument("--sink", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.sink:
+        return serve_sink(args.sink)
+    if args.in_process:
+        return in_process(args)
+    if args.spans:
+        return spans_only(args)
+    graph = build_graph()
     sink = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
     threading.Thread(target=sink.serve_forever, daemon=True).start()
     sink_url = f"http://127.0.0.1:{sink.server_address[1]}"

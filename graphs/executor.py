@@ -472,9 +472,11 @@ class GraphExecutor:
                 return
             call = self._node_call(request, name, prefix)
             warm = generate_request(call, prefix, f"{call.work_id}/prefix", prefix_only=True)
-            async with contextlib.aclosing(call.client.generate(warm)) as chunks:
-                async for _ in chunks:
-                    pass
+            with tracing.early_prefill(request.trace, name) as traced:  # None while off
+                async with contextlib.aclosing(call.client.generate(warm)) as chunks:
+                    async for chunk in chunks:
+                        if traced is not None:
+                            traced.chunk = chunk
         except Exception as exc:
             log.debug("prefill of %s/%s skipped: %s", request.request_id, name, exc)
 

@@ -18,6 +18,9 @@ import torch
 
 torch.set_num_threads(2)
 
+# fixtures shared across modules: the tracing tests', and one Ray cluster per session
+pytest_plugins = ["tracing_fixtures", "ray_cluster"]
+
 # The suite's engines decode eagerly: compile="auto" (the default) would spend seconds
 # compiling each test's model. The environment reaches the engine processes `trae serve`
 # starts too. Tests of compiling opt in with compile=True or by clearing it.

@@ -1,10 +1,11 @@
 """Scale-out on Ray Serve: the same graph file on a local Ray cluster, over real HTTP.
 
-One cluster for the module (fractional CPUs, short graceful shutdowns). The support
-graph runs with its LLM in a group of its own, two replicas: the same outputs as in
-one process, SSE, OpenAI, session affinity, a disconnect that frees the replica's
-pages, a replica killed mid-stream (clean errors, recovery); then a redeploy with
-autoscaling that scales up under load and back down.
+One Ray cluster for the session, shared with the other modules that deploy on Ray
+(tests/ray_cluster.py); this module's app, ``trae``, is deleted when it ends. Fractional
+CPUs, short graceful shutdowns. The support graph runs with its LLM in a group of its
+own, two replicas: the same outputs as in one process, SSE, OpenAI, session affinity, a
+disconnect that frees the replica's pages, a replica killed mid-stream (clean errors,
+recovery); then a redeploy with autoscaling that scales up under load and back down.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
+from ray_cluster import deployed
 
 from conftest import LORA_VARIANTS, build_encoder, build_llm, build_lora
 from trae_groups.engine import EngineConfig
@@ -83,12 +84,6 @@ AUTOSCALED = """  groups:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_until(condition, what: str, seconds: float = 60.0) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -108,21 +103,11 @@ def models(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A local Ray cluster and Serve's HTTP proxy on 127.0.0.1 (one per module)."""
-    started = time.monotonic()
-    ray.init(
-        num_cpus=2, include_dashboard=False, log_to_driver=False,
-        _temp_dir=str(tmp_path_factory.mktemp("ray")),
-        # replicas report their autoscaling stats every half second (default 10 s)
-        runtime_env={"env_vars": {"RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5"}},
-    )  # fmt: skip
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    print(f"ray cluster up in {time.monotonic() - started:.1f} s")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+def cluster(ray_cluster):
+    """The session's Ray cluster (its Serve proxy's URL), this module's app on it
+    deleted when the module ends."""
+    with deployed("trae"):
+        yield ray_cluster
 
 
 def deploy(models: Path, tmp: Path, deploy_section: str) -> None:

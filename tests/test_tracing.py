@@ -1,6 +1,7 @@
 """OpenTelemetry traces: the span tree of one real request (the SDK's in-memory exporter),
-the caller's traceparent as its parent, nothing while off, and `trae serve --otlp-endpoint`
-sending OTLP/HTTP to a collector on 127.0.0.1, the engine process's spans in the same tree."""
+the caller's traceparent as its parent, a follower's early prefills, nothing while off,
+the service named by OTEL_SERVICE_NAME, and `trae serve --otlp-endpoint` sending OTLP/HTTP
+to a collector on 127.0.0.1, the engine process's spans in the same tree."""
 
 from __future__ import annotations
 
@@ -18,68 +19,49 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
     InMemorySpanExporter,
 )
 from otlp_collector import Collector
+from tracing_fixtures import (
+    PARENT_SPAN,
+    PHASES,
+    RECAP,
+    TRACE_ID,
+    children,
+    one,
+    served,
+    traced_graph,
+    traceparent,
+)
 
-from conftest import build_encoder, build_llm
-from trae_groups.engine import EngineConfig
 from trae_groups.graphs import tracing
 from trae_groups.loadgen import free_port
-from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
-GRAPH = """
-name: traced
-models:
-  intent: {{source: {root}/intent, task: classify}}
-  dialog: {{source: {root}/dialog, task: generate}}
-inputs: {{text: str}}
-nodes:
-  intent: {{model: intent, input: "{{{{ inputs.text }}}}"}}
-  reply:
-    model: dialog
-    prompt: "{{{{ intent.label }}}}: {{{{ inputs.text }}}}"
-    params: {{max_tokens: 3}}
-  never:
+NEVER = """  never:
     model: dialog
     when: "inputs.text == 'no such text'"
-    prompt: "{{{{ inputs.text }}}}"
-outputs: {{intent: intent.label, reply: reply.text, never: never.text}}
+    prompt: "{{ inputs.text }}"
 """
-TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
-PARENT_SPAN = "00f067aa0ba902b7"
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory):
+def root(traced_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("traced")
-    build_llm(root / "dialog", "llama")
-    build_encoder(root / "intent", "classify", ["greet", "order", "spam"])
-    (root / "traced.yaml").write_text(GRAPH.format(root=root))
+    (root / "traced.yaml").write_text(traced_graph(traced_models, NEVER, ", never: never.text"))
+    (root / "recap.yaml").write_text(
+        traced_graph(traced_models, RECAP, ", recap: recap.text", max_tokens=16)
+    )
     return root
 
 
-@pytest.fixture
-def exporter():
-    spans = InMemorySpanExporter()
-    tracing.configure(spans)
-    yield spans
-    tracing.shutdown()
-
-
 def test_one_request_is_a_graph_span_with_a_child_per_node(root, exporter):
-    config = ServerConfig(engine=EngineConfig(pool_bytes=16 << 20))
-    with (
-        ServerThread(create_app([root / "traced.yaml"], config)) as server,
-        httpx.Client(base_url=server.url, timeout=120) as client,
-    ):
+    with served(root / "traced.yaml") as client:
         answer = client.post(
             "/v1/graphs/traced",
             json={"inputs": {"text": "where is my order"}},
-            headers={"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN}-01"},
+            headers=traceparent(),
         )
     assert answer.status_code == 200
     body = answer.json()
     spans = {s.name: s for s in exporter.get_finished_spans()}
-    phases = {name for name, _begin, _end in tracing.PHASES}  # inside the reply's span
-    assert set(spans) == {"graph traced", "node intent", "node reply", "node never", *phases}
+    assert set(spans) == {"graph traced", "node intent", "node reply", "node never", *PHASES}
     graph = spans["graph traced"]
     assert format(graph.context.trace_id, "032x") == TRACE_ID  # the caller's trace
     assert format(graph.parent.span_id, "016x") == PARENT_SPAN
@@ -103,22 +85,13 @@ def test_one_request_is_a_graph_span_with_a_child_per_node(root, exporter):
 
 
 def test_a_generate_node_span_holds_the_engine_phases(root, exporter):
-    config = ServerConfig(engine=EngineConfig(pool_bytes=16 << 20))
-    with (
-        ServerThread(create_app([root / "traced.yaml"], config)) as server,
-        httpx.Client(base_url=server.url, timeout=120) as client,
-    ):
+    with served(root / "traced.yaml") as client:
         answer = client.post("/v1/graphs/traced", json={"inputs": {"text": "hello"}})
     assert answer.status_code == 200
     spans = exporter.get_finished_spans()
-    reply = next(s for s in spans if s.name == "node reply")
-    children = [
-        s for s in spans if s.parent is not None and s.parent.span_id == reply.context.span_id
-    ]
-    assert [s.name for s in sorted(children, key=lambda s: s.start_time)] == [
-        "queued", "prefill", "decode",
-    ]  # fmt: skip
-    queued, prefill, decode = sorted(children, key=lambda s: s.start_time)
+    reply = one(spans, "node reply")
+    assert [s.name for s in children(spans, reply)] == ["queued", "prefill", "decode"]
+    queued, prefill, decode = children(spans, reply)
     assert reply.start_time <= queued.start_time <= queued.end_time <= prefill.start_time
     assert prefill.start_time <= prefill.end_time <= decode.start_time
     assert decode.start_time <= decode.end_time <= reply.end_time
@@ -129,18 +102,11 @@ def test_a_generate_node_span_holds_the_engine_phases(root, exporter):
     assert events["first token"].timestamp == prefill.end_time == decode.start_time
     assert events["finished"].timestamp == decode.end_time
     assert events["finished"].attributes["trae.finish_reason"] == finish
-    intent = next(s for s in spans if s.name == "node intent")  # an encoder: no phases
-    assert not [
-        s for s in spans if s.parent is not None and s.parent.span_id == intent.context.span_id
-    ]
+    assert not children(spans, one(spans, "node intent"))  # an encoder: no phases
 
 
 def test_without_a_traceparent_the_request_starts_its_own_trace(root, exporter):
-    config = ServerConfig(engine=EngineConfig(pool_bytes=16 << 20))
-    with (
-        ServerThread(create_app([root / "traced.yaml"], config)) as server,
-        httpx.Client(base_url=server.url, timeout=120) as client,
-    ):
+    with served(root / "traced.yaml") as client:
         bad = client.post("/v1/graphs/traced", json={"inputs": {}})
         good = client.post("/v1/graphs/traced", json={"inputs": {"text": "hi"}})
     assert (bad.status_code, good.status_code) == (422, 200)  # a refused request: no span
@@ -148,10 +114,9 @@ def test_without_a_traceparent_the_request_starts_its_own_trace(root, exporter):
     assert len(graphs) == 1 and graphs[0].parent is None
 
 
-def test_tracing_off_means_no_spans_and_the_env_turns_it_on(monkeypatch):
+def test_tracing_off_means_no_spans_and_the_env_turns_it_on(clean_env):
+    monkeypatch = clean_env
     assert not tracing.enabled()
-    for name in ("OTEL_TRACES_EXPORTER", *tracing.ENV_SWITCHES):
-        monkeypatch.delenv(name, raising=False)
     assert tracing.configure_from_env() is False and not tracing.enabled()
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
@@ -164,7 +129,7 @@ def test_tracing_off_means_no_spans_and_the_env_turns_it_on(monkeypatch):
     assert not tracing.enabled()
 
 
-def test_trae_serve_otlp_endpoint_sends_the_spans_to_a_collector(root):
+def test_trae_serve_otlp_endpoint_sends_the_spans_to_a_collector(root, clean_env):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     with Collector() as collector:
@@ -185,7 +150,7 @@ def test_trae_serve_otlp_endpoint_sends_the_spans_to_a_collector(root):
                 time.sleep(0.2)
             answer = httpx.post(
                 f"{url}/v1/graphs/traced", json={"inputs": {"text": "hi"}},
-                headers={"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN}-01"}, timeout=120,
+                headers=traceparent(), timeout=120,
             )  # fmt: skip
             assert answer.status_code == 200
             os.kill(server.pid, signal.SIGTERM)  # its shutdown flushes the batched spans
@@ -196,8 +161,7 @@ def test_trae_serve_otlp_endpoint_sends_the_spans_to_a_collector(root):
                 server.wait(30)
         spans = collector.spans()
     assert set(collector.paths) == {"/v1/traces"}
-    phases = {name for name, _begin, _end in tracing.PHASES}  # from the engine's own process
-    front = {"graph traced", "node intent", "node reply", "node never", *phases}
+    front = {"graph traced", "node intent", "node reply", "node never", *PHASES}
     assert sorted(s.name for s in spans) == sorted(front | {"engine intent", "engine dialog"})
     assert {s.trace_id for s in spans} == {TRACE_ID}  # one trace, the caller's
     by_name = {s.name: s for s in spans}
@@ -209,8 +173,8 @@ def test_trae_serve_otlp_endpoint_sends_the_spans_to_a_collector(root):
     assert services["engine dialog"] == "trae-groups-engine"  # the engine process's own
 
 
-def test_the_carried_context_names_the_span_and_the_samplers_decision(monkeypatch):
-    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+def test_the_carried_context_names_the_span_and_the_samplers_decision(clean_env):
+    monkeypatch = clean_env
     tracing.configure(InMemorySpanExporter())  # the SDK's default: parent-based, always on
     try:
         caller = tracing.RunTrace(f"00-{TRACE_ID}-{PARENT_SPAN}-01", "vendor=7")
@@ -229,3 +193,106 @@ def test_the_carried_context_names_the_span_and_the_samplers_decision(monkeypatc
         assert tracing.RunTrace().headers()["traceparent"].endswith("-00")
     finally:
         tracing.shutdown()
+
+
+def test_a_followers_early_prefills_are_spans_of_its_node(root, exporter):
+    with served(root / "recap.yaml") as client:
+        answer = client.post(
+            "/v1/graphs/traced", json={"inputs": {"text": "where is my order"}},
+            headers=traceparent(),
+        )  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    spans = exporter.get_finished_spans()
+    reply = one(spans, "node reply")
+    assert reply.attributes["trae.node.tokens"] > 4  # so the follower got a piece early
+    assert {s.context.trace_id for s in spans} == {int(TRACE_ID, 16)}
+    recap = one(spans, "node recap")
+    early = [s for s in children(spans, recap) if s.name == "early prefill"]
+    assert early and [s.attributes["trae.prefix"] for s in early] == list(range(len(early)))
+    for span in early:
+        assert recap.start_time <= span.start_time <= span.end_time <= recap.end_time
+        assert span.attributes["trae.prompt_tokens"] > 0
+        assert span.attributes["trae.cached_tokens"] >= 0
+    # the follower's own generation comes after its early prefills
+    queued = one(children(spans, recap), "queued")
+    assert early[-1].end_time <= queued.start_time
+    assert [s.name for s in children(spans, reply)] == PHASES
+
+
+def test_the_engine_calls_of_an_early_prefill_carry_its_spans_context(root, exporter):
+    from trae_groups.engine import clients
+
+    seen: list[dict | None] = []
+    generate = clients.LocalLLM.generate
+
+    def spying(self, request):
+        if request.prefix_only:  # what an engine process or a Ray replica would be sent
+            seen.append(tracing.carried())
+        return generate(self, request)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(clients.LocalLLM, "generate", spying)
+        with served(root / "recap.yaml") as client:
+            answer = client.post("/v1/graphs/traced", json={"inputs": {"text": "hello"}})
+    assert answer.status_code == 200, answer.text
+    spans = exporter.get_finished_spans()
+    early = {f"{s.context.span_id:016x}": s for s in spans if s.name == "early prefill"}
+    assert seen and len(seen) == len(early)
+    for headers in seen:
+        _version, trace_id, span_id, _flags = headers["traceparent"].split("-")
+        assert span_id in early and int(trace_id, 16) == early[span_id].context.trace_id
+
+
+def test_otel_service_name_and_resource_attributes_win_over_our_names(clean_env):
+    def service(**env: str) -> dict:
+        for name, value in env.items():
+            clean_env.setenv(name, value)
+        spans = InMemorySpanExporter()
+        tracing.configure(spans, service_name=tracing.ENGINE_SERVICE)
+        try:
+            with tracing.served_span("engine x", tracing.RunTrace().headers()):
+                pass
+        finally:
+            tracing.shutdown()
+        for name in env:
+            clean_env.delenv(name)
+        [span] = spans.get_finished_spans()
+        return dict(span.resource.attributes)
+
+    assert service()["service.name"] == "trae-groups-engine"  # ours, by default
+    assert service(OTEL_SERVICE_NAME="shop")["service.name"] == "shop"
+    named = service(OTEL_RESOURCE_ATTRIBUTES="service.name=shop2,deployment.environment=ci")
+    assert named["service.name"] == "shop2" and named["deployment.environment"] == "ci"
+    both = service(OTEL_SERVICE_NAME="shop", OTEL_RESOURCE_ATTRIBUTES="service.name=other")
+    assert both["service.name"] == "shop"  # the spec's order: OTEL_SERVICE_NAME first
+    other = service(OTEL_RESOURCE_ATTRIBUTES="deployment.environment=ci")
+    assert other["service.name"] == "trae-groups-engine" and other["deployment.environment"] == "ci"
+
+
+def test_while_off_no_span_id_or_context_is_made(root, clean_env):
+    """Tracing off: no RunTrace, CallTrace or carried context anywhere on the request path
+    (graph runs, a follower's early prefills, OpenAI calls, streamed or not)."""
+    from trae_groups.serving.call_tracing import CallTrace
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tracing work while tracing is off")
+
+    assert not tracing.enabled()
+    clean_env.setattr(tracing, "RunTrace", refuse)
+    clean_env.setattr(tracing, "carry", refuse)
+    clean_env.setattr(tracing, "record_run", refuse)
+    clean_env.setattr(CallTrace, "__init__", refuse)
+    chat = {"model": "dialog", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    with served(root / "recap.yaml") as client:
+        graph = client.post(
+            "/v1/graphs/traced", json={"inputs": {"text": "hello"}}, headers=traceparent()
+        )
+        streamed = client.post(
+            "/v1/graphs/traced", json={"inputs": {"text": "hello"}, "stream": True},
+            headers=traceparent(),
+        )  # fmt: skip
+        answers = [client.post("/v1/chat/completions", json=chat, headers=traceparent()),
+                   client.post("/v1/chat/completions", json={**chat, "stream": True})]  # fmt: skip
+    assert [r.status_code for r in (graph, streamed, *answers)] == [200] * 4
+    assert graph.json()["nodes"]["recap"]["status"] == "ok"
+    assert "event: error" not in streamed.text

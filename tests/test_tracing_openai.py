@@ -4,26 +4,19 @@ child holding the engine's phases, or the graph run's spans for a chat graph."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import httpx
 import pytest
 
 pytest.importorskip("opentelemetry.sdk")
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
-    InMemorySpanExporter,
-)
+from tracing_fixtures import CHAT_TRACE, PARENT_SPAN, PHASES, children, one, served
 
-from conftest import build_encoder, build_llm, wait_until
-from trae_groups.engine import EngineConfig
+from conftest import wait_until
 from trae_groups.graphs import tracing
 from trae_groups.serving.call_tracing import CallTrace
-from trae_groups.serving.server import ServerConfig, ServerThread, create_app
 
 SHOP = """
 name: shop
 models:
-  llm: {{source: {root}/llama, task: generate}}
+  llm: {{source: {root}/dialog, task: generate}}
   emb: {{source: {root}/emb, task: embed}}
 inputs: {{text: str}}
 nodes:
@@ -34,54 +27,24 @@ outputs: {{said: say.text, vec: vec.embedding}}
 CHATTY = """
 name: chatty
 models:
-  talk: {{source: {root}/llama, task: generate}}
+  talk: {{source: {root}/dialog, task: generate}}
 inputs: {{history: messages}}
 nodes:
   answer: {{model: talk, messages: "{{{{ inputs.history }}}}", params: {{max_tokens: 4}}}}
 outputs: {{reply: answer.text}}
 """
 USER = [{"role": "user", "content": "where is my order?"}]
-TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
-PARENT_SPAN = "b7ad6b7169203331"
+TRACE_ID = CHAT_TRACE
 HEADERS = {"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN}-01", "tracestate": "vendor=7"}
-PHASES = [name for name, _begin, _end in tracing.PHASES]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root: Path = tmp_path_factory.mktemp("traced_openai")
-    build_llm(root / "llama", "llama")
-    build_encoder(root / "emb", "embed", [], seed=5)
-    (root / "shop.yaml").write_text(SHOP.format(root=root))
-    (root / "chatty.yaml").write_text(CHATTY.format(root=root))
-    config = ServerConfig(engine=EngineConfig(pool_bytes=16 << 20))
-    with ServerThread(create_app([root / "shop.yaml", root / "chatty.yaml"], config)) as running:
-        yield running
-
-
-@pytest.fixture
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as client:
+def http(traced_models, tmp_path_factory):
+    root = tmp_path_factory.mktemp("traced_openai")
+    (root / "shop.yaml").write_text(SHOP.format(root=traced_models))
+    (root / "chatty.yaml").write_text(CHATTY.format(root=traced_models))
+    with served(root / "shop.yaml", root / "chatty.yaml") as client:
         yield client
-
-
-@pytest.fixture
-def exporter():
-    spans = InMemorySpanExporter()
-    tracing.configure(spans)
-    yield spans
-    tracing.shutdown()
-
-
-def children(spans, parent) -> list:
-    """``parent``'s child spans, in the order they started."""
-    found = [s for s in spans if s.parent and s.parent.span_id == parent.context.span_id]
-    return sorted(found, key=lambda s: s.start_time)
-
-
-def one(spans, name: str):
-    [span] = [s for s in spans if s.name == name]
-    return span
 
 
 def assert_under_the_caller(root) -> None:
@@ -196,7 +159,7 @@ def test_a_request_that_fails_in_the_engine_is_a_failed_span(http, exporter):
     assert root.attributes["http.response.status_code"] == 422
 
 
-def test_while_off_a_request_has_no_trace_to_build_or_carry(http):
+def test_while_off_a_request_has_no_trace_to_build_or_carry(http, clean_env):
     assert not tracing.enabled()
     assert CallTrace.start("chat", "llm", HEADERS) is None  # what the route's scope holds
     answer = http.post("/v1/chat/completions", json={"model": "llm", "messages": USER})

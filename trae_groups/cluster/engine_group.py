@@ -57,7 +57,7 @@ class EngineGroup:
         placed = spec.deploy.group_of(list(spec.models))
         names = [m for m, g in placed.items() if g == group]
         if not tracing.enabled():
-            tracing.configure_from_env(service_name="trae-groups-engine")
+            tracing.configure_from_env(service_name=tracing.ENGINE_SERVICE)
         self.group = group
         self.chunk_interval_s = chunk_interval_s
         self.host = host_for([spec], engine)

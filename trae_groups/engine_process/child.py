@@ -406,7 +406,7 @@ def main(argv: list[str]) -> int:
     )
     conn = Connection(int(argv[1]))
     listen = argv[3] if len(argv) > 3 and argv[3] != "-" else None
-    tracing.configure_from_env(service_name="trae-groups-engine")
+    tracing.configure_from_env(service_name=tracing.ENGINE_SERVICE)
     asyncio.run(EngineServer(conn, listen).serve())
     tracing.shutdown()  # the spans still batched go out
     sys.stdout.flush()

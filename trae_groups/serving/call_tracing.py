@@ -74,26 +74,25 @@ class CallTrace:
         self.code, self.error = code, error
 
     def finish(self) -> None:
-        """Build and send the spans (once, when the request is released)."""
-        from opentelemetry.trace import SpanKind, set_span_in_context
-
+        """Build and send the spans (once, when the request is released; not when the
+        sampler left the request out)."""
         run, end = self.run, time.time_ns()
+        if not tracing.enabled() or not run.sampled:
+            return
         attributes = {"trae.endpoint": self.endpoint, "trae.model": self.model}
         if self.request_id:
             attributes["trae.request_id"] = self.request_id
         if self.code is not None:
             attributes["http.response.status_code"] = self.code
-        root = run.start_span(
-            f"openai {self.endpoint}", None, run.parent, run.wall_ns,
-            kind=SpanKind.SERVER, attributes=attributes,
-        )  # fmt: skip
-        if self.error is not None:
-            tracing.set_error(root, self.error)
+        status = tracing.error_of(self.error, attributes)
         if self.call is not None:
-            self._model_span(set_span_in_context(root))
-        root.end(end_time=max(end, run.wall_ns))
+            self._model_span(run.context())
+        run.span(
+            f"openai {self.endpoint}", None, run.parent, run.wall_ns, max(end, run.wall_ns),
+            attributes, kind=tracing.server_kind(), status=status,
+        )  # fmt: skip
 
-    def _model_span(self, context: Any) -> None:
+    def _model_span(self, parent: Any) -> None:
         call, run = self.call, self.run
         attributes = {"trae.node.model": call.name, **call.attributes}
         ends = call.ends
@@ -105,11 +104,14 @@ class CallTrace:
             attributes["trae.node.finish_reason"] = ends[0].finish_reason or "stop"
         start = run.ns(call.started)
         end = max(start, run.ns(call.finished or time.perf_counter()))
-        span = run.start_span(f"model {call.name}", MODEL, context, start, attributes=attributes)
+        context = run.context(MODEL)
+        events: list = []
         for i, chunk in enumerate(c for c in ends if c.phases is not None):
             which = {"trae.generation": i} if len(ends) > 1 else {}
-            tracing.phase_spans(span, chunk.phases, chunk.finish_reason, start, end, **which)
-        span.end(end_time=end)
+            events += tracing.phase_spans(
+                run, context, chunk.phases, chunk.finish_reason, start, end, **which
+            )
+        run.span(f"model {call.name}", MODEL, parent, start, end, attributes, events=tuple(events))
 
 
 @contextlib.contextmanager
