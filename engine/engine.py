@@ -489,6 +489,7 @@ class LLMEngine:
                 self.loop.run_until(done.is_set)
             finally:
                 scheduler.hold_prompts = True
+                self.loop.trim()  # as the loop thread does once idle after a burst
         elif prompts:
             done.wait()
         return [results[i] for i in range(len(prompts))]

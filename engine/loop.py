@@ -40,7 +40,9 @@ class EngineLoop:
         self.last_error: BaseException | None = None
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self.busy_seconds = 0.0  # time spent stepping workers: the device-utilisation metric
-        self.idle_trims = 0  # heap trims once idle after work (memory.IDLE_TRIM_S)
+        self.trims = (
+            0  # heap trims after work: once idle (memory.IDLE_TRIM_S), after inline batches
+        )
 
     # -- workers -------------------------------------------------------------
     def add_worker(self, worker: Worker) -> None:
@@ -166,7 +168,7 @@ class EngineLoop:
             if trim_at is not None and trim_at < 0:
                 trim_at = now + IDLE_TRIM_S
             elif trim_at is not None and now >= trim_at:
-                self._trim_idle()
+                self.trim()
                 trim_at = None
                 continue
             with self._wake:
@@ -179,9 +181,9 @@ class EngineLoop:
                     self._wake.wait(wait)
                 self._pending_wake = False
 
-    def _trim_idle(self) -> None:
-        """Between bursts, hand the heap's free memory back: glibc keeps what a burst's
-        steps freed (activations, logits, tokenizer and detokenizer work), so an idle
-        server would otherwise sit at its busiest size."""
+    def trim(self) -> None:
+        """After a burst, hand the heap's free memory back: glibc keeps what the steps
+        freed (activations, logits, tokenizer and detokenizer work), so an idle server, or
+        a process after an offline batch, would otherwise sit at its busiest size."""
         trim_heap()
-        self.idle_trims += 1
+        self.trims += 1

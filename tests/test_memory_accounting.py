@@ -122,11 +122,20 @@ def test_the_engine_loop_trims_the_heap_once_idle_after_work(llama_dir):
     with engine.start():
         loop = engine.loop
         time.sleep(3 * IDLE_TRIM_S)
-        assert loop.idle_trims == 0  # no work yet: nothing to give back
+        assert loop.trims == 0  # no work yet: nothing to give back
         engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4))
-        wait_until(lambda: loop.idle_trims >= 1, "a trim after the first burst")
-        after_first = loop.idle_trims
+        wait_until(lambda: loop.trims >= 1, "a trim after the first burst")
+        after_first = loop.trims
         time.sleep(3 * IDLE_TRIM_S)
-        assert loop.idle_trims == after_first  # idle with nothing done since: no more trims
+        assert loop.trims == after_first  # idle with nothing done since: no more trims
         engine.generate([[8, 9]], SamplingParams(max_tokens=4))
-        wait_until(lambda: loop.idle_trims > after_first, "a trim after the second burst")
+        wait_until(lambda: loop.trims > after_first, "a trim after the second burst")
+
+
+def test_an_offline_batch_trims_the_heap_when_it_ends(llama_dir):
+    from trae_groups.engine.sampling import SamplingParams
+
+    engine = LLMEngine({"m": llama_dir}, EngineConfig(pool_bytes=4 << 20))
+    engine.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4))  # the loop not running
+    assert engine.loop.trims == 1
+    engine.shutdown()
