@@ -262,15 +262,20 @@ def cpu_seconds(pids: list[int]) -> float:
     return total / ticks
 
 
-def memory_mb(pids: list[int]) -> tuple[float, float, float]:
-    """(RSS of the first pid, RSS summed over all, PSS summed over all), MB."""
-    rss, pss, first = 0, 0, None
+def memory_mb(pids: list[int]) -> tuple[float, float, float, float]:
+    """(RSS of the first pid, RSS summed over all, PSS summed over all, the first pid's peak
+    RSS), MB: after the runs is what an idle server holds, the peak what a limit must allow."""
+    rss, pss, first, peak = 0, 0, None, 0
     for p in pids:
         try:
             status = Path(f"/proc/{p}/status").read_text()
             kb = int(next(ln.split()[1] for ln in status.splitlines() if ln.startswith("VmRSS")))
         except (OSError, StopIteration):
             continue
+        if first is None:
+            peak = next(
+                (int(ln.split()[1]) for ln in status.splitlines() if ln.startswith("VmHWM")), 0
+            )
         first = kb if first is None else first
         rss += kb
         try:
@@ -278,7 +283,7 @@ def memory_mb(pids: list[int]) -> tuple[float, float, float]:
             pss += int(next(ln.split()[1] for ln in rollup if ln.startswith("Pss:")))
         except (OSError, StopIteration):
             pass
-    return (first or 0) / 1024, rss / 1024, pss / 1024
+    return (first or 0) / 1024, rss / 1024, pss / 1024, peak / 1024
 
 
 def cpu_info() -> str:
@@ -323,7 +328,7 @@ class Worker:
         self.info: dict = {}
         self.load_s = self.startup_s = None
         self.idle_cpu_s = 0.0
-        self.memory: tuple[float, float, float] | None = None
+        self.memory: tuple[float, float, float, float] | None = None
         self._lines: queue.Queue = queue.Queue()
         self._next_id = 0
         self._t0 = time.perf_counter()
@@ -619,11 +624,12 @@ def report(args, dtype: str, out: dict, workloads: dict) -> None:
         if not w.alive:
             print(f"{w.name}: FAILED: {w.error.splitlines()[0]} (log {w.log})")
             continue
-        rss, rss_all, pss_all = w.memory or (0, 0, 0)
+        rss, rss_all, pss_all, peak = w.memory or (0, 0, 0, 0)
         start = f"{w.startup_s:6.1f} s" if w.startup_s is not None else "no result"
         print(
             f"{w.name:<16} start-up {start} (load {w.load_s:.1f} s) | RSS after the "
-            f"runs {rss:,.0f} MB, with its child processes {rss_all:,.0f} MB (PSS {pss_all:,.0f}) "
+            f"runs {rss:,.0f} MB (peak {peak:,.0f}), with its child processes {rss_all:,.0f} MB "
+            f"(PSS {pss_all:,.0f}) "
             f"| CPU while others were timed {w.idle_cpu_s:.1f} s"
         )
     print(f"(our KV pool: {out['pool'] >> 20} MB; vLLM preallocates {args.vllm_kv_gib} GiB of KV)")
