@@ -26,12 +26,23 @@ import warnings
 import torch
 from torch import nn
 
-__all__ = ["LLM_KEEP_FLOAT", "Int8Linear", "int8_available", "quantize_linears"]
+__all__ = [
+    "LLM_KEEP_FLOAT", "Int8Linear", "int8_available", "needs_reduced_range", "quantize_linears"
+]  # fmt: skip
 
 
 def int8_available() -> bool:
     """Whether torch's int8 dynamic linear kernels (fbgemm/x86) are built in."""
     return any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm"))
+
+
+def needs_reduced_range() -> bool:
+    """Whether activations must be 7-bit here: without VNNI (AVX2 only, as on an EPYC of the
+    Zen 3 generation) the kernel's u8 x s8 pairs sum in saturating 16-bit lanes, and full
+    8-bit activations put a 64-wide linear's output 12-36% off where 7 bits keep it at 1-2%."""
+    from trae_groups.engine.hardware import detect
+
+    return not detect("cpu").int8_dot
 
 
 class _Packed:
@@ -59,23 +70,27 @@ class Int8Linear(nn.Module):
 
     ``reduce_range`` uses 7-bit activations, which CPUs without VNNI need to avoid overflow
     in their 16-bit intermediate sums; with VNNI full 8 bits are exact and more accurate.
+    ``None`` (the default) chooses by the CPU (``needs_reduced_range``).
     """
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, reduce_range: bool = False
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        reduce_range: bool | None = None,
     ) -> None:
         super().__init__()
         if weight.dim() != 2 or weight.device.type != "cpu":
             raise ValueError("Int8Linear needs a 2-D CPU weight")
         self.out_features, self.in_features = weight.shape
-        self.reduce_range = reduce_range
+        self.reduce_range = needs_reduced_range() if reduce_range is None else reduce_range
         b = None if bias is None else bias.detach().float().contiguous()
         self._packed_params = _Packed(
             torch.ops.quantized.linear_prepack(quantize_weight(weight), b)
         )
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, reduce_range: bool = False) -> Int8Linear:
+    def from_linear(cls, linear: nn.Module, reduce_range: bool | None = None) -> Int8Linear:
         """From an ``nn.Linear`` (its weight is read, not modified)."""
         return cls(linear.weight, linear.bias, reduce_range)
 
@@ -114,7 +129,7 @@ LLM_KEEP_FLOAT = (
 
 
 def quantize_linears(
-    model: nn.Module, keep_float: tuple[str, ...] = (), reduce_range: bool = False
+    model: nn.Module, keep_float: tuple[str, ...] = (), reduce_range: bool | None = None
 ) -> int:
     """Replace every plain ``nn.Linear`` of ``model`` with an ``Int8Linear``, except those
     registered under a name in ``keep_float``; return how many were replaced.

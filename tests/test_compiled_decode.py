@@ -104,11 +104,18 @@ def test_packed_linears_compile_to_direct_mkldnn_calls():
     assert "torch.ops.trae.packed_linear.default(" not in code
 
 
+#: bfloat16 logprobs move in steps of ~0.008 here (exact ties occur), and inductor's fused
+#: reductions sum in another order than eager's kernels (its vector width follows the CPU:
+#: seen on an AVX2-only EPYC): a greedy pick may flip only where the two best tokens are this
+#: close.
+BF16_NEAR_TIE = 0.02
+
+
 def test_compiled_bf16_matches_eager_bf16(llama_dir):
     """bfloat16 through the compiled graph (intermediates rounded as eager rounds them) gives
-    eager bf16's tokens, and logprobs within bf16 rounding."""
+    eager bf16's tokens up to the first near tie, and logprobs within bf16 rounding."""
     ps = prompts(n=4, seed=11)
-    params = SamplingParams(max_tokens=MAX_NEW, logprobs=1)
+    params = SamplingParams(max_tokens=MAX_NEW, logprobs=2)
     outs = {}
     for compile_ in (False, True):
         cfg = EngineConfig(
@@ -118,11 +125,26 @@ def test_compiled_bf16_matches_eager_bf16(llama_dir):
             outs[compile_] = eng.generate(ps, params)
             if compile_:
                 assert eng.llms["m"].runner.compiled.steps > 0
+    compared = 0
     for eager, compiled in zip(outs[False], outs[True], strict=True):
-        assert eager.token_ids == compiled.token_ids
-        torch.testing.assert_close(
-            torch.tensor(eager.logprobs), torch.tensor(compiled.logprobs), atol=3e-2, rtol=0
+        clear = next(
+            (i for i, top in enumerate(eager.top_logprobs) if _margin(top) < BF16_NEAR_TIE),
+            len(eager.token_ids),
         )
+        # the tie's own pick may go either way; everything before it must agree
+        assert eager.token_ids[:clear] == compiled.token_ids[:clear]
+        torch.testing.assert_close(
+            torch.tensor(eager.logprobs[: clear + 1]),
+            torch.tensor(compiled.logprobs[: clear + 1]),
+            atol=3e-2, rtol=0,
+        )  # fmt: skip
+        compared += clear
+    assert compared >= MAX_NEW // 2  # not vacuous: tokens before the first tie were compared
+
+
+def _margin(top: dict[int, float]) -> float:
+    best, second = sorted(top.values(), reverse=True)[:2]
+    return best - second
 
 
 def test_compiling_waits_for_the_pool_to_be_sized_at_start(llm_dirs):
