@@ -157,6 +157,7 @@ def _load(kind: str, dtype: str, folder: str, threads: int, opts: dict):
     torch.set_num_threads(threads)
     if kind == "trae":
         from trae_groups.engine import EngineConfig, LLMEngine, SamplingParams
+        from trae_groups.engine.fast_linear import linear_library
 
         config = EngineConfig(
             dtype=dtype,
@@ -164,6 +165,7 @@ def _load(kind: str, dtype: str, folder: str, threads: int, opts: dict):
             pool_bytes=opts["pool_bytes"],
             max_num_seqs=max(64, opts["max_batch"]),
             compile=_COMPILE[opts.get("trae_compile", "auto")],
+            linear_library=opts.get("trae_linear_library", "auto"),
         )
         engine = LLMEngine({"m": folder}, config)
         engine.size_pool()
@@ -174,6 +176,7 @@ def _load(kind: str, dtype: str, folder: str, threads: int, opts: dict):
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "pool_mb": opts["pool_bytes"] >> 20,
             "compile": config.compile,
+            "linear_library": linear_library(config.linear_library),
             # in the start-up below; a server answers meanwhile (eagerly)
             "compile_wait_s": round(time.perf_counter() - waited, 1),
         }
@@ -473,6 +476,7 @@ def run_dtype(args, dtype: str, folder: Path, workloads: dict, decode_prompt: li
         "pool_bytes": pool,
         "max_batch": max_batch,
         "trae_compile": args.trae_compile,
+        "trae_linear_library": args.trae_linear_library,
         "vllm_max_batched_tokens": args.vllm_max_batched_tokens,
     }
     argv = ["--model-dir", str(folder), "--threads", str(args.threads)]
@@ -665,6 +669,10 @@ def main() -> None:
     parser.add_argument(
         "--trae-compile", choices=list(_COMPILE), default="auto",
         help="EngineConfig.compile: auto (the default users get), on (every size), off",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trae-linear-library", choices=["auto", "onednn", "zentorch"], default="auto",
+        help="EngineConfig.linear_library: auto (the default users get), or force one",
     )  # fmt: skip
     parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds")
     parser.add_argument("--job-timeout", type=float, default=600.0, help="seconds")

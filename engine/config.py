@@ -52,6 +52,10 @@ ENGINE_DTYPES = (*DTYPES, "auto")
 QUANTIZATIONS = ("int8",)  # weight quantizations the weight store applies (engine/quant.py)
 KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
 MODEL_FORWARDS = ("auto", "transformers")
+# which kernel library multiplies a CPU model's linears (engine/fast_linear.py): "auto" is
+# AMD's zentorch (ZenDNN) for float32 weights where it is installed (the ``zen`` extra) and
+# the CPU is an AMD one, oneDNN's packed weights otherwise; the others force one
+LINEAR_LIBRARIES = ("auto", "onednn", "zentorch")
 COMPILE_MODES = (True, False, "auto")
 # What compile="auto" compiles when TRAE_COMPILE=1 asks for it: the single-stream decode
 # step, run beside serving (~50 s cold, ~7 s with inductor's cache warm). Without it "auto"
@@ -100,6 +104,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_cache: bool = True
     fast_linear: bool = True  # oneDNN pre-packed linears on CPU, when available
+    linear_library: str = "auto"  # one of LINEAR_LIBRARIES
     # which forward runs a causal LM on CPU: "auto" is our own for the families it knows
     # (engine/flat_forward.py: Llama, Mistral, Qwen2, Qwen3) and transformers' for the rest;
     # "transformers" is transformers' model classes with our attention for every model
@@ -166,6 +171,11 @@ class EngineConfig:
         if self.model_forward not in MODEL_FORWARDS:
             raise ValueError(
                 f"model_forward: must be one of {list(MODEL_FORWARDS)}, got {self.model_forward!r}"
+            )
+        if self.linear_library not in LINEAR_LIBRARIES:
+            raise ValueError(
+                f"linear_library: must be one of {list(LINEAR_LIBRARIES)}, "
+                f"got {self.linear_library!r}"
             )
         if self.scheduling not in POLICIES:
             raise ValueError(f"scheduling: must be one of {POLICIES}, got {self.scheduling!r}")

@@ -20,13 +20,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trae_groups.engine.config import LINEAR_LIBRARIES
+
 __all__ = [
     "DEFAULT_BATCH_HINT",
+    "LINEAR_LIBRARIES",
     "PackedLinear",
     "fast_linear_available",
+    "linear_library",
     "lower_packed_linear",
     "pack_linears",
     "packable_dtypes",
+    "zentorch_available",
 ]
 
 # The reorder takes an optional batch-size hint that picks the blocked layout. The packed weight
@@ -46,6 +51,14 @@ DEFAULT_BATCH_HINT = 32
 # The cost: the plain weight is held beside the packed one (twice the weight memory, counted
 # in the weight store), so it is done only where it pays: not on CPUs with AMX (upcast_pays).
 UPCAST_ROWS = 96
+
+# zentorch against oneDNN (bench/zentorch_linear.py, an AVX2-only EPYC of the Zen 3
+# generation, SmolLM2's 121 float32 linears of one step, 2 threads): 0.72-0.78x oneDNN's time
+# at 1 row, 0.75x at 8, 0.87-0.91x at 32, but 1.06-1.08x at 128 and 1.27x at 512 (prefill
+# chunks). Each weight is held once, prepacked by one library: keeping both layouts to pick
+# per row count would double the weights' memory (and zentorch on a plain weight caches a
+# reordered copy of it by itself, the same doubling, unseen by our accounting). Decode is
+# most of what a server does, so "auto" takes zentorch for every row count.
 
 
 def fast_linear_available() -> bool:
@@ -68,6 +81,65 @@ def packable_dtypes() -> frozenset[torch.dtype]:
     return frozenset(dtypes)
 
 
+_zentorch: bool | None = None
+
+
+def zentorch_available() -> bool:
+    """Whether AMD's zentorch kernels load here (they register ``torch.ops.zentorch``).
+
+    Only the package's op library is loaded (12 ms): ``import zentorch`` takes ~4.7 s, most of
+    it torch's inductor, for compile passes the engine does not use.
+    """
+    global _zentorch
+    if _zentorch is None:
+        _zentorch = _load_zentorch_ops()
+    return _zentorch
+
+
+def _load_zentorch_ops() -> bool:
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec("zentorch")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    try:
+        for library in sorted(Path(spec.submodule_search_locations[0]).glob("_C.*.so")):
+            torch.ops.load_library(str(library))
+        if not hasattr(torch.ops.zentorch, "zentorch_linear_unary"):
+            import zentorch  # noqa: F401  (a layout without the bare library: the full import)
+        return hasattr(torch.ops.zentorch, "zentorch_linear_unary")
+    except Exception:  # a wheel built for another torch, or a CPU it does not support
+        return False
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(
+                (ln.split(":", 1)[1].strip() for ln in info if ln.startswith("vendor_id")), ""
+            )
+    except OSError:
+        return ""
+
+
+def linear_library(choice: str = "auto") -> str:
+    """ "onednn" or "zentorch": what ``choice`` (one of LINEAR_LIBRARIES) means on this host."""
+    if choice not in LINEAR_LIBRARIES:
+        raise ValueError(f"linear_library: must be one of {list(LINEAR_LIBRARIES)}, got {choice!r}")
+    if choice == "zentorch" and not zentorch_available():
+        raise ValueError(
+            "linear_library: 'zentorch' is not installed (pip install 'trae-groups[zen]')"
+        )
+    if choice == "auto":
+        amd = _cpu_vendor() == "AuthenticAMD"
+        return "zentorch" if amd and zentorch_available() else "onednn"
+    return choice
+
+
 class PackedLinear(nn.Module):
     """``y = x @ W.T + b`` on a weight reordered once for oneDNN.
 
@@ -81,6 +153,7 @@ class PackedLinear(nn.Module):
         bias: torch.Tensor | None = None,
         batch_hint: int | None = DEFAULT_BATCH_HINT,
         upcast_large: bool = True,
+        library: str = "onednn",
     ) -> None:
         super().__init__()
         if weight.dim() != 2 or weight.device.type != "cpu":
@@ -90,12 +163,23 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.batch_hint = batch_hint
+        self.library = (
+            "zentorch"
+            if library == "zentorch" and weight.dtype == torch.float32 and zentorch_available()
+            else "onednn"
+        )  # fmt: skip
         # A plain attribute, not a buffer: an mkldnn tensor breaks state_dict, .to() and hooks
         # that iterate buffers. The original weight is not kept, so packing costs no extra memory
-        # unless someone else (a tied embedding) still holds it.
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
-            weight.detach().contiguous(), batch_hint
-        )
+        # unless someone else (a tied embedding) still holds it. zentorch's prepacked weight is
+        # a dense tensor in its own blocked order, held the same way.
+        if self.library == "zentorch":
+            self.packed_weight = torch.ops.zentorch.zentorch_weight_prepack_for_linear(
+                weight.detach().contiguous()
+            )
+        else:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
+                weight.detach().contiguous(), batch_hint
+            )
         # Half-precision weights keep their plain tensor too (a view of the mapped file where
         # the dtype on disk is the served one): large row counts multiply in float32 from it.
         self.plain_weight = (
@@ -122,10 +206,17 @@ class PackedLinear(nn.Module):
         return held
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # see lower_packed_linear
-            return torch.ops.trae.packed_linear(x, self.packed_weight, self.bias, self.out_features)
-        if x.dtype != self.dtype:
+        compiling = torch.compiler.is_compiling()
+        if not compiling and x.dtype != self.dtype:
             raise TypeError(f"PackedLinear holds {self.dtype} weights but got {x.dtype} input")
+        if self.library == "zentorch":
+            if x.numel() == 0:  # the kernel logs an error on an empty input
+                return x.new_empty((*x.shape[:-1], self.out_features))
+            return torch.ops.zentorch.zentorch_linear_unary(
+                x, self.packed_weight, self.bias, is_weight_prepacked=True
+            )  # traced as is when compiling: lower_packed_linear loads its meta functions
+        if compiling:  # see lower_packed_linear
+            return torch.ops.trae.packed_linear(x, self.packed_weight, self.bias, self.out_features)
         if self.plain_weight is not None and x.numel() >= UPCAST_ROWS * self.in_features:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.plain_weight.float(), bias).to(self.dtype)
@@ -134,7 +225,8 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, dtype={self.dtype}, batch_hint={self.batch_hint}"
+            f"bias={self.bias is not None}, dtype={self.dtype}, batch_hint={self.batch_hint}, "
+            f"library={self.library}"
         )
 
 
@@ -164,6 +256,8 @@ def lower_packed_linear() -> None:
     is added, inductor's own ones are untouched. Imports inductor, so call it only when compiling.
     """
     global _lowered
+    if _zentorch:  # its ops' meta functions, for tracing, come with the full package (once)
+        import zentorch  # noqa: F401
     if _lowered:
         return
     from torch._inductor.lowering import fallback_handler, register_lowering
@@ -199,7 +293,10 @@ def upcast_pays() -> bool:
 
 
 def pack_linears(
-    model: nn.Module, batch_hint: int | None = DEFAULT_BATCH_HINT, upcast_large: bool | None = None
+    model: nn.Module,
+    batch_hint: int | None = DEFAULT_BATCH_HINT,
+    upcast_large: bool | None = None,
+    library: str = "onednn",
 ) -> int:
     """Replace every plain ``nn.Linear`` in ``model`` with a ``PackedLinear``; return how many.
 
@@ -209,7 +306,8 @@ def pack_linears(
     ``upcast_large`` (default: ``upcast_pays()``) keeps half-precision weights' plain tensors
     for the float32 path of large row counts: twice the weight memory for them. Call
     ``torch.set_num_threads`` before this (oneDNN and MKL share one pool). Returns 0 where oneDNN
-    is unavailable, leaving the model as it was.
+    is unavailable, leaving the model as it was. ``library`` "zentorch" (as resolved by
+    ``linear_library``) prepacks float32 weights for zentorch instead of oneDNN.
     """
     dtypes = packable_dtypes()
     if not dtypes:
@@ -225,6 +323,6 @@ def pack_linears(
     ]
     for parent, name, child in targets:
         if id(child) not in packed:
-            packed[id(child)] = PackedLinear(child.weight, child.bias, batch_hint, upcast)
+            packed[id(child)] = PackedLinear(child.weight, child.bias, batch_hint, upcast, library)
         setattr(parent, name, packed[id(child)])
     return len(packed)

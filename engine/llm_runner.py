@@ -30,6 +30,7 @@ from transformers import AttentionInterface
 from trae_groups.engine.decode_graphs import DecodeGraphs, GraphStep, cuda_capture, decode_rows
 from trae_groups.engine.fast_linear import (
     fast_linear_available,
+    linear_library,
     lower_packed_linear,
     pack_linears,
 )
@@ -298,7 +299,8 @@ def prepare_forward(model: torch.nn.Module, config) -> bool:
         model.trae_flat = FlatForward(model)
         changed = True
     if config.fast_linear and fast_linear_available():
-        changed = bool(pack_linears(model)) or changed
+        library = linear_library(config.linear_library)
+        changed = bool(pack_linears(model, library=library)) or changed
     return changed
 
 

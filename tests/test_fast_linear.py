@@ -12,12 +12,16 @@ from transformers import (
     Qwen3Config,
 )
 
+from trae_groups.engine import fast_linear
+from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.fast_linear import (
     UPCAST_ROWS,
     PackedLinear,
     fast_linear_available,
+    linear_library,
     pack_linears,
     packable_dtypes,
+    zentorch_available,
 )
 
 pytestmark = pytest.mark.skipif(not fast_linear_available(), reason="needs oneDNN (mkldnn)")
@@ -44,18 +48,31 @@ def _n_linears(model: nn.Module) -> int:
     return len({id(m) for m in model.modules() if type(m) is nn.Linear})
 
 
-@pytest.fixture(scope="module", params=[("qwen3", True), ("qwen3", False), ("llama", False)])
+needs_zentorch = pytest.mark.skipif(not zentorch_available(), reason="zentorch not installed")
+LIBRARIES = ["onednn", pytest.param("zentorch", marks=needs_zentorch)]
+MODELS = [("qwen3", True), ("qwen3", False), ("llama", False)]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[(*m, lib) for m in MODELS for lib in ("onednn", "zentorch")],
+    ids=lambda p: "-".join(map(str, p)),
+)
 def model_pair(request, tmp_path_factory):
-    """A tiny random model saved and reloaded twice: one plain reference, one packed."""
-    arch, tied = request.param
+    """A tiny random model saved and reloaded twice: one plain reference, one packed (by
+    oneDNN, or by zentorch where it is installed)."""
+    arch, tied, library = request.param
+    if library == "zentorch" and not zentorch_available():
+        pytest.skip("zentorch not installed")
     torch.manual_seed(0)
     built = AutoModelForCausalLM.from_config(_config(arch, tied))
-    path = tmp_path_factory.mktemp(f"{arch}_tied{tied}")
+    path = tmp_path_factory.mktemp(f"{arch}_tied{tied}_{library}")
     built.save_pretrained(path)
     plain = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     packed = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     expected = _n_linears(packed)
-    n = pack_linears(packed)
+    n = pack_linears(packed, library=library)
+    assert {m.library for m in packed.modules() if isinstance(m, PackedLinear)} == {library}
     return plain, packed, n, expected, tied
 
 
@@ -197,3 +214,55 @@ def test_plain_weights_are_kept_only_where_upcasting_pays(monkeypatch, amx):
     model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4)).to(torch.bfloat16)
     assert pack_linears(model) == 2
     assert all((m.plain_weight is None) == amx for m in model)
+
+
+@pytest.mark.parametrize(
+    ("choice", "vendor", "installed", "want"),
+    [
+        ("auto", "AuthenticAMD", True, "zentorch"),
+        ("auto", "GenuineIntel", True, "onednn"),
+        ("auto", "AuthenticAMD", False, "onednn"),
+        ("onednn", "AuthenticAMD", True, "onednn"),
+        ("zentorch", "GenuineIntel", True, "zentorch"),
+        ("zentorch", "AuthenticAMD", False, ValueError),
+        ("mkl", "AuthenticAMD", True, ValueError),
+    ],
+)
+def test_linear_library_is_chosen_by_cpu_and_what_is_installed(
+    monkeypatch, choice, vendor, installed, want
+):
+    monkeypatch.setattr(fast_linear, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(fast_linear, "zentorch_available", lambda: installed)
+    if want is ValueError:
+        with pytest.raises(ValueError, match="linear_library"):
+            linear_library(choice)
+    else:
+        assert linear_library(choice) == want
+
+
+def test_engine_config_checks_linear_library():
+    with pytest.raises(ValueError, match="linear_library: must be one of"):
+        EngineConfig(linear_library="mkl")
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_engine_config_linear_library_reaches_the_model(tmp_path, library):
+    """EngineConfig.linear_library decides which library packs a served model's linears, and
+    greedy tokens match transformers' generate either way."""
+    from trae_groups.engine.engine import LLMEngine
+    from trae_groups.engine.sampling import SamplingParams
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config("llama", False)).save_pretrained(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    prompt = [5, 17, 40, 9, 100, 11, 7]
+    gen = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        want = reference.generate(torch.tensor([prompt]), generation_config=gen)[0, len(prompt) :]
+    config = EngineConfig(pool_bytes=8 << 20, linear_library=library)
+    with LLMEngine({"m": tmp_path}, config).start() as engine:
+        model = engine.llms["m"].runner.model
+        libraries = {m.library for m in model.modules() if isinstance(m, PackedLinear)}
+        out = engine.generate([prompt], SamplingParams(max_tokens=8))[0]
+    assert libraries == {library}
+    assert out.token_ids == want.tolist()
