@@ -24,6 +24,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,7 @@ LAYER = [  # (name, in, out) of one decoder layer, with the engine's fusions
 
 def cpu_name() -> str:
     try:
-        info = open("/proc/cpuinfo").read()
+        info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return "unknown CPU"
     name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
