@@ -37,7 +37,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-LINEAR_OPS = {"mkldnn::_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm"}
+LINEAR_OPS = {
+    "mkldnn::_linear_pointwise", "aten::linear", "aten::addmm", "aten::mm",
+    "zentorch::zentorch_linear_unary",
+}  # fmt: skip
+LINEAR_LIBRARY = {"value": "auto"}  # EngineConfig.linear_library, from --linear-library
 CATEGORIES = ("linears", "attention", "norms", "other ops", "python/dispatch")
 
 
@@ -49,7 +53,7 @@ def build_engine(
     extra = {"compile": True, "compile_batch_sizes": tuple(batch_sizes)} if compile_ else {}
     config = EngineConfig(
         dtype=dtype, pool_bytes=512 << 20, max_num_seqs=64, max_num_batched_tokens=1024,
-        model_forward=forward, **extra,
+        model_forward=forward, linear_library=LINEAR_LIBRARY["value"], **extra,
     )  # fmt: skip
     engine = LLMEngine({"m": model_dir}, config)
     engine.size_pool()  # what start() does first: the pool is final, compiled sizes are built
@@ -236,7 +240,12 @@ def main() -> None:
         "--forward", nargs="+", default=["auto", "transformers"],
         help="EngineConfig.model_forward: ours (auto) and/or transformers'",
     )  # fmt: skip
+    parser.add_argument(
+        "--linear-library", choices=["auto", "onednn", "zentorch"], default="auto",
+        help="EngineConfig.linear_library (auto: zentorch on AMD CPUs where installed)",
+    )  # fmt: skip
     args = parser.parse_args()
+    LINEAR_LIBRARY["value"] = args.linear_library
     torch.set_num_threads(args.threads)
     if args.model is None:
         import peers
@@ -248,7 +257,8 @@ def main() -> None:
         for batch in args.batch:
             for forward in args.forward:
                 res = profile_one(args.model, dtype, batch, args.steps, args.compile, forward)
-                report(f"{dtype} batch {batch} forward {forward}", res)
+                label = f"{dtype} batch {batch} forward {forward} linears {args.linear_library}"
+                report(label, res)
 
 
 if __name__ == "__main__":

@@ -273,8 +273,13 @@ def flat_forward_of(model: nn.Module) -> FlatForward | None:
 
 
 def forward_path(model: nn.Module) -> str:
-    """Which forward runs a causal LM, and why, for ``trae model info`` and logs."""
+    """Which forward runs a causal LM, and why, and which library packs its linears, for
+    ``trae model info`` and logs."""
+    from trae_groups.engine.fast_linear import PackedLinear
+
+    libraries = sorted({m.library for m in model.modules() if isinstance(m, PackedLinear)})
+    packed = f"; linears: {'+'.join(libraries)}" if libraries else ""
     if flat_forward_of(model) is not None:
-        return "trae (fused projections)"
+        return "trae (fused projections)" + packed
     reason = unsupported_reason(model)
-    return "transformers" + (f": {reason}" if reason else "")
+    return "transformers" + (f": {reason}" if reason else "") + packed

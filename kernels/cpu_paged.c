@@ -248,6 +248,125 @@ static inline __m512 exp16(__m512 x) { /* x <= 0: a score minus the running maxi
     }
 #endif
 
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* The AVX-512 loop's twin for CPUs with AVX2 and FMA only (an EPYC of the Zen 3 generation,
+ * older Xeons): 8 lanes, exp as the same polynomial with 2^n built in the exponent bits, and
+ * the softmax's tail (fewer than 8 scores) in scalar expf. Measured on such an EPYC, SmolLM2
+ * fp32 decode at batch 32: the portable loop's attention was 27% of the step. */
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const bf16 *p) {
+    __m128i half = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+static inline void store8_f32(float *p, __m256 x) { _mm256_storeu_ps(p, x); }
+static inline void store8_bf16(bf16 *p, __m256 x) {
+    float tmp[8];
+    _mm256_storeu_ps(tmp, x);
+    for (int i = 0; i < 8; i++) p[i] = f32_to_bf16(tmp[i]);
+}
+static inline float hsum8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline __m256 exp8(__m256 x) { /* x <= 0: a score minus the running maximum */
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, n); /* 2^x = 2^n * 2^f, f in [-0.5, 0.5] */
+    __m256 p = _mm256_set1_ps(1.540353039338161e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.333355814642844e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    /* n >= -126 after the clamp: 2^n is a normal float made from its exponent bits */
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+#define DEFINE_ITEM256(T)                                                                    \
+    static inline __attribute__((always_inline)) void item256_##T(                           \
+        const T *query, int64_t q_rs, const T *k_cache, const T *v_cache, int64_t page_s,    \
+        int64_t tok_s, int64_t head_s, int64_t page_size, const int64_t *table, int64_t r,   \
+        int64_t kh, int64_t lo, int64_t pos, int64_t group, const int nd, float scale,       \
+        T *out, int64_t out_rs, int64_t dim) {                                               \
+        __m256 q[MAX_GROUP][MAX_DIM / 8], acc[MAX_GROUP][MAX_DIM / 8];                       \
+        float best[MAX_GROUP], total[MAX_GROUP];                                             \
+        float score[MAX_GROUP][BLOCK] __attribute__((aligned(32)));                          \
+        const __m256 vscale = _mm256_set1_ps(scale);                                         \
+        for (int64_t g = 0; g < group; g++) {                                                \
+            const T *qp = query + r * q_rs + (kh * group + g) * dim;                         \
+            for (int c = 0; c < nd; c++) {                                                   \
+                q[g][c] = _mm256_mul_ps(load8_##T(qp + 8 * c), vscale);                      \
+                acc[g][c] = _mm256_setzero_ps();                                             \
+            }                                                                                \
+            best[g] = -INFINITY;                                                             \
+            total[g] = 0.0f;                                                                 \
+        }                                                                                    \
+        for (int64_t j0 = lo; j0 <= pos; j0 += BLOCK) {                                      \
+            const int64_t n = (pos - j0 + 1 < BLOCK) ? pos - j0 + 1 : BLOCK;                 \
+            for (int64_t jj = 0; jj < n; jj++) {                                             \
+                const int64_t j = j0 + jj;                                                   \
+                const T *kp = k_cache + table[j / page_size] * page_s +                      \
+                              (j % page_size) * tok_s + kh * head_s;                         \
+                __m256 k[MAX_DIM / 8];                                                       \
+                for (int c = 0; c < nd; c++) k[c] = load8_##T(kp + 8 * c);                   \
+                for (int64_t g = 0; g < group; g++) {                                        \
+                    __m256 s = _mm256_mul_ps(q[g][0], k[0]);                                 \
+                    for (int c = 1; c < nd; c++) s = _mm256_fmadd_ps(q[g][c], k[c], s);      \
+                    score[g][jj] = hsum8(s);                                                 \
+                }                                                                            \
+            }                                                                                \
+            for (int64_t g = 0; g < group; g++) {                                            \
+                float top = best[g];                                                         \
+                for (int64_t jj = 0; jj < n; jj++)                                           \
+                    top = score[g][jj] > top ? score[g][jj] : top;                           \
+                const float rescale = expf(best[g] - top); /* 0 on the first block */        \
+                const __m256 vtop = _mm256_set1_ps(top);                                     \
+                __m256 vsum = _mm256_setzero_ps();                                           \
+                int64_t jj = 0;                                                              \
+                for (; jj + 8 <= n; jj += 8) {                                               \
+                    __m256 x = exp8(_mm256_sub_ps(_mm256_load_ps(&score[g][jj]), vtop));     \
+                    _mm256_store_ps(&score[g][jj], x);                                       \
+                    vsum = _mm256_add_ps(vsum, x);                                           \
+                }                                                                            \
+                float sum = hsum8(vsum);                                                     \
+                for (; jj < n; jj++) {                                                       \
+                    score[g][jj] = expf(score[g][jj] - top);                                 \
+                    sum += score[g][jj];                                                     \
+                }                                                                            \
+                total[g] = total[g] * rescale + sum;                                         \
+                best[g] = top;                                                               \
+                if (rescale != 1.0f) {                                                       \
+                    const __m256 vr = _mm256_set1_ps(rescale);                               \
+                    for (int c = 0; c < nd; c++) acc[g][c] = _mm256_mul_ps(acc[g][c], vr);   \
+                }                                                                            \
+            }                                                                                \
+            for (int64_t jj = 0; jj < n; jj++) {                                             \
+                const int64_t j = j0 + jj;                                                   \
+                const T *vp = v_cache + table[j / page_size] * page_s +                      \
+                              (j % page_size) * tok_s + kh * head_s;                         \
+                __m256 v[MAX_DIM / 8];                                                       \
+                for (int c = 0; c < nd; c++) v[c] = load8_##T(vp + 8 * c);                   \
+                for (int64_t g = 0; g < group; g++) {                                        \
+                    const __m256 p = _mm256_set1_ps(score[g][jj]);                           \
+                    for (int c = 0; c < nd; c++) acc[g][c] = _mm256_fmadd_ps(p, v[c], acc[g][c]); \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t g = 0; g < group; g++) {                                                \
+            T *op = out + r * out_rs + (kh * group + g) * dim;                               \
+            const __m256 inv = _mm256_set1_ps(total[g] > 0.0f ? 1.0f / total[g] : 0.0f);     \
+            for (int c = 0; c < nd; c++) store8_##T(op + 8 * c, _mm256_mul_ps(acc[g][c], inv)); \
+        }                                                                                    \
+    }
+#endif
+
 #ifdef __AVX512F__
 DEFINE_ITEM512(f32)
 DEFINE_ITEM512(bf16)
@@ -266,6 +385,27 @@ DEFINE_ITEM512(bf16)
         default:                                                                             \
             item512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s, page_size,     \
                         table, r, kh, lo, pos, group, (int)(dim / 16), scale, out, out_rs,   \
+                        dim);                                                                \
+        }                                                                                    \
+        continue;                                                                            \
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+DEFINE_ITEM256(f32)
+DEFINE_ITEM256(bf16)
+#define VECTOR_ITEM(T)                                                                       \
+    if (dim % 8 == 0) {                                                                      \
+        switch (dim) {                                                                       \
+        case 64:                                                                             \
+            item256_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s, page_size,     \
+                        table, r, kh, lo, pos, group, 8, scale, out, out_rs, 64);            \
+            break;                                                                           \
+        case 128:                                                                            \
+            item256_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s, page_size,     \
+                        table, r, kh, lo, pos, group, 16, scale, out, out_rs, 128);          \
+            break;                                                                           \
+        default:                                                                             \
+            item256_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s, page_size,     \
+                        table, r, kh, lo, pos, group, (int)(dim / 8), scale, out, out_rs,    \
                         dim);                                                                \
         }                                                                                    \
         continue;                                                                            \

@@ -250,6 +250,7 @@ def test_engine_config_linear_library_reaches_the_model(tmp_path, library):
     """EngineConfig.linear_library decides which library packs a served model's linears, and
     greedy tokens match transformers' generate either way."""
     from trae_groups.engine.engine import LLMEngine
+    from trae_groups.engine.flat_forward import forward_path
     from trae_groups.engine.sampling import SamplingParams
 
     torch.manual_seed(0)
@@ -263,6 +264,8 @@ def test_engine_config_linear_library_reaches_the_model(tmp_path, library):
     with LLMEngine({"m": tmp_path}, config).start() as engine:
         model = engine.llms["m"].runner.model
         libraries = {m.library for m in model.modules() if isinstance(m, PackedLinear)}
+        path = forward_path(model)
         out = engine.generate([prompt], SamplingParams(max_tokens=8))[0]
     assert libraries == {library}
+    assert path == f"trae (fused projections); linears: {library}"  # as trae model info says
     assert out.token_ids == want.tolist()
