@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from conftest import LLM_FAMILIES, build_llm
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.engine import LLMEngine
+from trae_groups.engine.fast_linear import linear_library
 from trae_groups.engine.flat_forward import FlatForward, FusedSlice, forward_path
 from trae_groups.engine.llm_runner import ATTN_NAME
 from trae_groups.engine.sampling import SamplingParams
@@ -65,7 +66,9 @@ def test_supported_families_take_our_forward_and_the_option_turns_it_off(llm_dir
             outs = eng.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6))
             held[choice + " tokens"] = outs[0].token_ids
     assert held["auto"].forward.startswith("trae")
-    assert held["transformers"].forward == "transformers"
+    assert held["transformers"].forward.split(";")[0] == "transformers"
+    packed = f"; linears: {linear_library()}"  # the library this host packs them with
+    assert held["auto"].forward.endswith(packed) and held["transformers"].forward.endswith(packed)
     assert held["auto tokens"] == held["transformers tokens"]
     # fused and packed weights take what the separate packed ones took (layout padding aside)
     assert held["auto"].bytes <= 1.02 * held["transformers"].bytes
