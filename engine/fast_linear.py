@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trae_groups.engine.config import LINEAR_LIBRARIES
+from trae_groups.engine.hardware import cpu_vendor
 
 __all__ = [
     "DEFAULT_BATCH_HINT",
@@ -116,16 +117,6 @@ def _load_zentorch_ops() -> bool:
         return False
 
 
-def _cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next(
-                (ln.split(":", 1)[1].strip() for ln in info if ln.startswith("vendor_id")), ""
-            )
-    except OSError:
-        return ""
-
-
 def linear_library(choice: str = "auto") -> str:
     """ "onednn" or "zentorch": what ``choice`` (one of LINEAR_LIBRARIES) means on this host."""
     if choice not in LINEAR_LIBRARIES:
@@ -135,13 +126,13 @@ def linear_library(choice: str = "auto") -> str:
             "linear_library: 'zentorch' is not installed (pip install 'trae-groups[zen]')"
         )
     if choice == "auto":
-        amd = _cpu_vendor() == "AuthenticAMD"
+        amd = cpu_vendor() == "AuthenticAMD"
         return "zentorch" if amd and zentorch_available() else "onednn"
     return choice
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` on a weight reordered once for oneDNN.
+    """``y = x @ W.T + b`` on a weight reordered once for oneDNN (or for zentorch: ``library``).
 
     Accepts any leading shape (``[T, in]``, ``[1, T, in]``, ``[B, T, in]``) and any row count:
     the engine flattens a varying batch of sequences into one row dimension.

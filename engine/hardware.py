@@ -57,12 +57,23 @@ def detect(device: str | torch.device = "cpu") -> Hardware:
     return Hardware("cpu", cpu_flags=_cpu_flags() & (INT8_FLAGS | BF16_FLAGS))
 
 
-def _cpu_flags() -> frozenset[str]:
+def _cpuinfo(field: str) -> str:
+    """The first CPU's ``field`` line in /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
+
+
+def _cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_vendor() -> str:
+    """The vendor id ("AuthenticAMD", "GenuineIntel", ...): which kernel library suits the CPU
+    (engine/fast_linear.py)."""
+    return _cpuinfo("vendor_id")

@@ -138,6 +138,8 @@ def quantize_linears(
     own int8 copy while the input embedding keeps the float tensor; a Linear registered under
     two parents is converted once.
     """
+    if reduce_range is None:  # once for the model, not per linear
+        reduce_range = needs_reduced_range()
     done: dict[int, Int8Linear] = {}
     targets = [
         (parent, name, child)

@@ -231,7 +231,7 @@ def test_plain_weights_are_kept_only_where_upcasting_pays(monkeypatch, amx):
 def test_linear_library_is_chosen_by_cpu_and_what_is_installed(
     monkeypatch, choice, vendor, installed, want
 ):
-    monkeypatch.setattr(fast_linear, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(fast_linear, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(fast_linear, "zentorch_available", lambda: installed)
     if want is ValueError:
         with pytest.raises(ValueError, match="linear_library"):
