@@ -1,7 +1,9 @@
 """One local Ray cluster for the whole test session (a plugin that tests/conftest.py
 loads): starting Ray and Serve's proxy takes tens of
 seconds, so the modules that deploy on it share it, each deploying its own Serve app
-under its own name and deleting it when the module ends (``deployed``)."""
+under its own name and deleting it when the module ends (``deployed``). Those modules run
+back to back, and the cluster stops after the last of their tests, not at the end of the
+session: idle, Ray's processes still take a share of the two cores every other test needs."""
 
 from __future__ import annotations
 
@@ -11,6 +13,32 @@ import time
 from collections.abc import Iterator
 
 import pytest
+
+FIXTURE = "ray_cluster"
+_stops: list = []  # the running cluster's shutdown, called once after its last user
+
+
+def _uses_cluster(item: pytest.Item | None) -> bool:
+    return item is not None and FIXTURE in getattr(item, "fixturenames", ())
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules on the cluster move to where the first of them was, in their order."""
+    users = [item for item in items if _uses_cluster(item)]
+    if not users:
+        return
+    at = items.index(users[0])
+    rest = [item for item in items if not _uses_cluster(item)]
+    items[:] = rest[:at] + users + rest[at:]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the cluster's last user: stop it (trylast: after pytest's own teardown, which
+    deletes the last module's app)."""
+    if _uses_cluster(item) and not _uses_cluster(nextitem):
+        while _stops:
+            _stops.pop()()
 
 
 def free_port() -> int:
@@ -37,11 +65,17 @@ def ray_cluster(tmp_path_factory) -> Iterator[str]:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     print(f"ray cluster up in {time.monotonic() - started:.1f} s")
+
+    def stop() -> None:
+        serve.shutdown()
+        ray.shutdown()
+
+    _stops.append(stop)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        while _stops:
+            _stops.pop()()
 
 
 @contextlib.contextmanager

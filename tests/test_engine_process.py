@@ -199,8 +199,13 @@ def test_greedy_token_ids_are_the_same_through_the_clients(root):
             return ids, labels
 
         in_one_process, split = (asyncio.run(run(executor)) for executor in executors)
-        assert split == in_one_process
+        assert split[0] == in_one_process[0]
         assert all(len(ids) == 16 for ids in split[0])
+        # an encoder's label whole; its scores to float noise: the engine process may sum in
+        # another order (its own thread pool), which moved them by ~1e-5 on an AVX-512 host
+        for theirs, ours in zip(split[1], in_one_process[1], strict=True):
+            assert (theirs["label"], theirs["truncated"]) == (ours["label"], ours["truncated"])
+            assert theirs["scores"] == pytest.approx(ours["scores"], abs=1e-4)
     finally:
         there.shutdown()
         here.shutdown()
