@@ -50,7 +50,8 @@ DEFAULT_BATCH_HINT = 32
 # (decode steps) stay on the packed bf16 weight, which is twice as fast as anything else there.
 # Accumulation is float32 either way; the output is rounded to the model's dtype as before.
 # The cost: the plain weight is held beside the packed one (twice the weight memory, counted
-# in the weight store), so it is done only where it pays: not on CPUs with AMX (upcast_pays).
+# in the weight store), so it is done only where it pays (upcast_pays): not on CPUs with AMX,
+# and not on AMD's AVX512-BF16 (Zen 4), where the upcast took 4.8x bf16's time at 128 rows.
 UPCAST_ROWS = 96
 
 # zentorch against oneDNN (bench/zentorch_linear.py, an AVX2-only EPYC of the Zen 3
@@ -95,6 +96,17 @@ def zentorch_available() -> bool:
     if _zentorch is None:
         _zentorch = _load_zentorch_ops()
     return _zentorch
+
+
+def zentorch_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes zentorch packs here: float32, and bf16 where the CPU has AVX512-BF16
+    (Zen 4: 0.77x oneDNN's bf16 time at 1 row, 0.89x at 32, 0.95x at 128, level at 512,
+    bench/zentorch_linear.py). Others stay on oneDNN."""
+    from trae_groups.engine.hardware import detect
+
+    if "avx512_bf16" in detect("cpu").cpu_flags:
+        return (torch.float32, torch.bfloat16)
+    return (torch.float32,)
 
 
 def _load_zentorch_ops() -> bool:
@@ -156,7 +168,7 @@ class PackedLinear(nn.Module):
         self.batch_hint = batch_hint
         self.library = (
             "zentorch"
-            if library == "zentorch" and weight.dtype == torch.float32 and zentorch_available()
+            if library == "zentorch" and weight.dtype in zentorch_dtypes() and zentorch_available()
             else "onednn"
         )  # fmt: skip
         # A plain attribute, not a buffer: an mkldnn tensor breaks state_dict, .to() and hooks
@@ -276,11 +288,11 @@ def _packable(module: nn.Module, dtypes: frozenset[torch.dtype]) -> bool:
 
 def upcast_pays() -> bool:
     """Whether large half-precision row counts should multiply in float32 (UPCAST_ROWS):
-    on CPUs without AMX, where bf16 matmuls run at about half the float32 rate. With AMX,
-    bf16 is the fast path and no plain copy of the weight is kept."""
+    where bf16 matmuls run at about half the float32 rate (Intel without AMX). With AMX, or
+    AVX512-BF16 on AMD, bf16 is the fast path and no plain copy of the weight is kept."""
     from trae_groups.engine.hardware import detect
 
-    return not detect("cpu").bf16_matrix_units
+    return not detect("cpu").bf16_matmul_outruns_float32
 
 
 def pack_linears(

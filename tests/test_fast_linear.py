@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
@@ -204,16 +205,52 @@ def test_float32_keeps_no_plain_weight():
 
 
 @pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="CPU lacks oneDNN bf16")
-@pytest.mark.parametrize("amx", [False, True])
-def test_plain_weights_are_kept_only_where_upcasting_pays(monkeypatch, amx):
-    """With AMX, bf16 matmuls are the fast path at every row count: no plain copy is held."""
+@pytest.mark.parametrize(
+    ("flags", "vendor", "keeps_plain"),
+    [
+        ({"avx512_bf16"}, "GenuineIntel", True),
+        ({"avx512_bf16", "amx_bf16"}, "GenuineIntel", False),
+        ({"avx512_bf16"}, "AuthenticAMD", False),
+    ],
+)
+def test_plain_weights_are_kept_only_where_upcasting_pays(monkeypatch, flags, vendor, keeps_plain):
+    """With AMX, or AVX512-BF16 on AMD, bf16 matmuls are the fast path at every row count: no
+    plain copy is held; Intel's AVX512-BF16 alone upcasts large row counts."""
     from trae_groups.engine import hardware
 
-    flags = {"avx512_bf16", "amx_bf16"} if amx else {"avx512_bf16"}
     monkeypatch.setattr(hardware, "_cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(hardware, "cpu_vendor", lambda: vendor)
     model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4)).to(torch.bfloat16)
-    assert pack_linears(model) == 2
-    assert all((m.plain_weight is None) == amx for m in model)
+    assert pack_linears(model, library="onednn") == 2
+    assert all((m.plain_weight is not None) == keeps_plain for m in model)
+
+
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [(set(), {torch.float32}), ({"avx512_bf16"}, {torch.float32, torch.bfloat16})],
+)
+def test_zentorch_takes_bf16_weights_only_where_the_cpu_has_bf16_dot_products(
+    monkeypatch, flags, want
+):
+    from trae_groups.engine import hardware
+
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: frozenset(flags))
+    assert set(fast_linear.zentorch_dtypes()) == want
+
+
+@pytest.mark.skipif(
+    not (fast_linear.zentorch_available() and torch.bfloat16 in fast_linear.zentorch_dtypes()),
+    reason="needs zentorch and a CPU with AVX512-BF16",
+)
+def test_zentorch_bf16_linear_matches_a_float32_reference():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 64).bfloat16(), torch.randn(48).bfloat16()
+    packed = PackedLinear(weight, bias, library="zentorch")
+    assert packed.library == "zentorch"
+    for rows in (1, 5, 130):
+        x = torch.randn(rows, 64).bfloat16()
+        want = F.linear(x.float(), weight.float(), bias.float())
+        torch.testing.assert_close(packed(x).float(), want, atol=0.1, rtol=0.02)
 
 
 @pytest.mark.parametrize(
