@@ -56,9 +56,17 @@ def test_bf16_packed_linears_match_bf16_eager(llama_dir):
     eager = _step_logits(llama_dir, False, prompts, 4)
     packed = _step_logits(llama_dir, True, prompts, 4)
     assert len(eager) == len(packed) == 4
+    # a row is compared while both runs fed it the same tokens: a tiny random model's logits
+    # are flat, and another library's accumulation order may move a near tie's winner, after
+    # which that sequence's inputs differ
+    same = torch.ones(len(prompts), dtype=torch.bool)
     for e, p in zip(eager, packed, strict=True):
-        # measured bit-identical here (plain bf16 nn.Linear reaches oneDNN's bf16 GEMM too);
-        # the bound leaves room for another accumulation order on other CPUs
         scale = e.abs().max()
-        assert (e - p).abs().max() <= 0.02 * scale + 0.05, (e - p).abs().max()
-        assert torch.equal(e.argmax(-1), p.argmax(-1))
+        bound = 0.02 * scale + 0.05
+        assert (e - p)[same].abs().max() <= bound, (e - p)[same].abs().max()
+        top2 = e.float().topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * bound
+        agree = e.argmax(-1) == p.argmax(-1)
+        assert bool(agree[same & clear].all())  # the same greedy token wherever it is clear
+        same &= agree
+    assert bool(same.any())  # at least one sequence was compared to the end
