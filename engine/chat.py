@@ -13,6 +13,7 @@ that holds a special token's text is refused.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -20,6 +21,11 @@ from typing import Any
 from trae_groups.engine.errors import RequestError
 
 log = logging.getLogger("trae_groups.engine")
+
+# Longer texts are tokenized through the Rust tokenizer's batch call, which releases the GIL:
+# its single-text call holds it throughout (~1 s for 0.9 MB), and the event loop on another
+# thread of the process waits for it.
+LONG_TEXT = 16_384
 
 _MARK = "\ue000trae-content-{}\ue001"  # private-use characters around a message's index
 
@@ -29,16 +35,34 @@ def encode(tokenizer: Any, text: str, *, specials: bool = True) -> list[int]:
     special token as plain characters."""
     if not text:
         return []
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+    backend = _rust_tokenizer(tokenizer, specials)
     if backend is None:
         return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=not specials)
-    # the Rust tokenizer itself (a third of the cost per prompt); its flag is state,
-    # so it is set for every call and put back
-    backend.encode_special_tokens = not specials
-    try:
-        return backend.encode(text, add_special_tokens=False).ids
-    finally:
-        backend.encode_special_tokens = False
+    # the Rust tokenizer itself (a third of the cost per prompt)
+    if len(text) > LONG_TEXT:  # encode_batch lets go of the GIL while it works
+        return backend.encode_batch([text], add_special_tokens=False)[0].ids
+    return backend.encode(text, add_special_tokens=False).ids
+
+
+_plain_specials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _rust_tokenizer(tokenizer: Any, specials: bool) -> Any:
+    """The tokenizer's Rust tokenizer, or (``specials=False``) a copy of it made once that
+    reads special tokens' text as plain characters; None without one. A copy, not the flag
+    set per call: setting it waits for the tokenizer's lock while holding the GIL, so one
+    thread tokenizing 0.9 MB (GIL released) froze every other thread of the process."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or specials:
+        return backend
+    plain = _plain_specials.get(tokenizer)
+    if plain is None:
+        from tokenizers import Tokenizer
+
+        plain = Tokenizer.from_str(backend.to_str())
+        plain.encode_special_tokens = True
+        _plain_specials[tokenizer] = plain
+    return plain
 
 
 def render(

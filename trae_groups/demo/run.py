@@ -65,4 +65,6 @@ def run_demo(host: str = "127.0.0.1", port: int = 8000, example: bool = True) ->
     if example:
         url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         threading.Thread(target=send_example, args=(url,), daemon=True).start()
-    return serve([path], ServerConfig(host=host, port=port, log_level="warning"))
+    # served as `trae serve` serves: the engine in a process of its own
+    config = ServerConfig(host=host, port=port, log_level="warning", engine_process=True)
+    return serve([path], config)
