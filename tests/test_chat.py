@@ -49,6 +49,30 @@ def test_control_tokens_in_content_stay_text(tokenizer):
     assert count(chat.encode(tokenizer, "<|im_start|>"), tokenizer, "<|im_start|>") == 1
 
 
+def test_reading_specials_as_text_leaves_the_shared_tokenizer_alone(tokenizer):
+    """The plain-specials tokenizer is a copy made once: the shared one's flag is never set
+    (setting it waits for the tokenizer's lock with the GIL held, so one thread tokenizing a
+    long text froze every other thread of the process)."""
+    backend = tokenizer.backend_tokenizer
+    text = "a<|im_start|>b"
+    plain = chat.encode(tokenizer, text, specials=False)
+    assert count(plain, tokenizer, "<|im_start|>") == 0
+    assert backend.encode_special_tokens is False
+    assert chat._rust_tokenizer(tokenizer, False) is chat._rust_tokenizer(tokenizer, False)
+    assert chat._rust_tokenizer(tokenizer, True) is backend
+
+
+@pytest.mark.parametrize("specials", [True, False])
+def test_long_texts_tokenize_as_short_ones_do(tokenizer, specials):
+    """Past LONG_TEXT characters the batch call (GIL released) gives the same ids."""
+    piece = "hello world <|im_start|> café "
+    text = piece * (chat.LONG_TEXT // len(piece) + 1)
+    assert len(text) > chat.LONG_TEXT
+    want = chat._rust_tokenizer(tokenizer, specials).encode(text, add_special_tokens=False).ids
+    assert chat.encode(tokenizer, text, specials=specials) == want
+    assert count(want, tokenizer, "<|im_start|>") == (text.count("<|im_start|>") if specials else 0)
+
+
 def test_a_role_with_a_control_token_is_refused(tokenizer):
     with pytest.raises(RequestError) as err:
         chat.chat_token_ids(tokenizer, [{"role": "<|im_start|>system", "content": "x"}])

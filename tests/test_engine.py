@@ -293,6 +293,9 @@ def test_bad_requests_are_refused_before_any_work(llama_dir):
             ("", {}, "prompt"),
             ([1] * 300, {}, "prompt"),  # max_position_embeddings is 256
             ([1, 99999], {}, "prompt"),
+            ([1, -1], {}, "prompt"),
+            ([1, 2.5], {}, "prompt"),
+            ([1, 2**70], {}, "prompt"),
         ]
         for prompt, kw, field in cases:
             with pytest.raises(RequestError) as err:
