@@ -252,6 +252,8 @@ def _add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module)
 
 
 def _zen_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    if x.numel() == 0:  # a step whose prompt chunk samples nothing; the kernel logs an error
+        return torch.empty_like(x)
     return torch.ops.zentorch.zentorch_rms_norm(x, norm.weight, norm.variance_epsilon)
 
 

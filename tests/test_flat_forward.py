@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import AutoModelForCausalLM
 
 from conftest import LLM_FAMILIES, build_llm
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.engine import LLMEngine
-from trae_groups.engine.fast_linear import linear_library
+from trae_groups.engine.fast_linear import linear_library, zentorch_available
 from trae_groups.engine.flat_forward import FlatForward, FusedSlice, forward_path
 from trae_groups.engine.llm_runner import ATTN_NAME
 from trae_groups.engine.sampling import SamplingParams
@@ -90,3 +91,22 @@ def test_an_unsupported_model_runs_through_transformers_and_says_why(tmp_path):
 def test_model_forward_is_checked():
     with pytest.raises(ValueError, match="model_forward"):
         EngineConfig(model_forward="ours")
+
+
+@pytest.mark.skipif(not zentorch_available(), reason="needs zentorch")
+def test_zentorch_norms_match_torchs_and_take_empty_batches(capfd):
+    """The fused add-and-norm puts the sum in the residual and the norm in the sublayer's
+    output, as ours does; a step that samples no row normalizes nothing, silently."""
+    from trae_groups.engine import flat_forward as ff
+
+    torch.manual_seed(0)
+    norm = nn.Module()
+    norm.weight, norm.variance_epsilon = torch.randn(64), 1e-5
+    hidden, residual = torch.randn(5, 64), torch.randn(5, 64)
+    ours_residual, zen_residual = residual.clone(), residual.clone()
+    want = ff._add_rms_norm(hidden.clone(), ours_residual, norm)
+    got = ff._zen_add_rms_norm(hidden.clone(), zen_residual, norm)
+    torch.testing.assert_close(zen_residual, ours_residual)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert ff._zen_rms_norm(torch.randn(0, 64), norm).shape == (0, 64)
+    assert "error" not in capfd.readouterr().err
