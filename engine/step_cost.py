@@ -62,11 +62,18 @@ class StepCost:
         return self._coef
 
     def prompt_budget(
-        self, decodes: int, target_s: float, floor: int, ceiling: int, stretch: float = 1.0
+        self,
+        decodes: int,
+        target_s: float,
+        floor: int,
+        ceiling: int,
+        stretch: float = 1.0,
+        slowdown: float | None = None,
     ) -> int | None:
         """Prompt tokens that keep a step with ``decodes`` decodes near ``target_s``, or near
-        ``stretch`` times the decodes' own step where that is longer; between ``floor`` (a
-        long prompt always moves on) and ``ceiling``; None while unknown."""
+        ``stretch`` times the decodes' own step where that is longer, but (``slowdown``) not
+        past that many times the decodes' own step; between ``floor`` (a long prompt always
+        moves on) and ``ceiling``; None while unknown."""
         coef = self.estimate()
         if coef is None:
             return None
@@ -74,8 +81,10 @@ class StepCost:
         if per_token <= 0:
             return ceiling
         decodes_alone = base + per_decode * decodes
-        room = max(target_s, stretch * decodes_alone) - decodes_alone
-        return max(floor, min(ceiling, int(room / per_token)))
+        step = max(target_s, stretch * decodes_alone)
+        if slowdown is not None:
+            step = min(step, slowdown * decodes_alone)
+        return max(floor, min(ceiling, int((step - decodes_alone) / per_token)))
 
     def _fit(self) -> tuple[float, float, float] | None:
         steps = list({id(s): s for s in (*self._recent, *self._with_prompt,

@@ -20,11 +20,13 @@ from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.scheduler import (
     ALONE_STRETCH,
+    DECODE_SLOWDOWN,
     MIN_ALONE_CHUNK,
     MIN_PROMPT_CHUNK,
     PROMPT_STRETCH,
     Scheduler,
     SchedulerSettings,
+    prompt_floor,
 )
 from trae_groups.engine.sequence import Sequence
 from trae_groups.engine.step_cost import StepCost
@@ -117,6 +119,27 @@ def test_where_the_decodes_alone_pass_the_target_a_step_may_stretch_to_a_multipl
     assert cost_of(1, chunk.num_new) == pytest.approx(PROMPT_STRETCH * alone, abs=0.004)
 
 
+@pytest.mark.parametrize(
+    ("target_s", "want"),
+    [
+        (0.100, (DECODE_SLOWDOWN - 1) * cost_of(1, 0) / PER_TOKEN),  # the slowdown binds: 33
+        (0.050, (0.050 - cost_of(1, 0)) / PER_TOKEN),  # the target binds: 17
+        (0.036, prompt_floor(1)),  # the floor binds: 9
+    ],
+)
+def test_a_running_prompt_beside_a_stream_slows_it_at_most_to_twice_its_step(target_s, want):
+    """Nothing waiting, the long prompt admitted: the step beside the chat takes at most
+    DECODE_SLOWDOWN times the chat's own step, at most the target, at least the floor."""
+    s = scheduler(target_s=target_s)
+    long = decoding_beside_a_long_prompt(s)
+    advance(s)  # the long prompt is admitted: it runs, nothing waits
+    step = s.schedule()
+    assert [i.seq.request_id for i in step.decodes] == ["chat"]
+    (chunk,) = step.prefills
+    assert chunk.seq is long and not s.waiting
+    assert chunk.num_new == pytest.approx(want, abs=3)
+
+
 def test_a_slow_model_still_moves_a_long_prompt_on():
     cost = taught(StepCost())
     assert cost.prompt_budget(1, 0.010, MIN_PROMPT_CHUNK, 512) == MIN_PROMPT_CHUNK
@@ -157,14 +180,18 @@ def test_a_step_that_gives_a_prompt_its_first_token_is_not_topped_up_past_the_ta
     """A short prompt arriving beside a long one alone: the long chunk is cut to let it in,
     and the budget left is not handed back to the long chunk past the target, so the short
     one's first token comes after a short step."""
-    for target, long_chunk in ((0.100, 128), (None, 512 - 20)):
+    # held: the step with the short one's first token is held as one beside a decode, to
+    # DECODE_SLOWDOWN x 33 ms; the long chunk gets what the short one's 20 tokens leave
+    held = round((DECODE_SLOWDOWN - 1) * cost_of(1, 0) / PER_TOKEN) - 20
+    for target, long_chunk in ((0.100, held), (None, 512 - 20)):
         s = scheduler(target_s=target)
         long = seq(3000, "long")
         s.add(long)
         advance(s)  # the long prompt runs alone, whole budgets
         s.add(seq(20, "short"))
         chunks = {i.seq.request_id: i.num_new for i in s.schedule().prefills}
-        assert chunks == {"long": long_chunk, "short": 20}, target
+        assert chunks["short"] == 20, target
+        assert chunks["long"] == pytest.approx(long_chunk, abs=3), target
 
 
 def test_the_engine_learns_its_step_cost_and_holds_prompts_beside_streams(tmp_path, monkeypatch):
@@ -197,8 +224,9 @@ def test_the_engine_learns_its_step_cost_and_holds_prompts_beside_streams(tmp_pa
     beside = [t for d, t in steps if d and t]  # the long prompt's chunks beside the stream
     assert len(beside) > 10, steps
     # the first few, before the cost model had seen decodes, may be whole; then the floor
-    assert all(t <= MIN_PROMPT_CHUNK for t in beside[3:]), beside
-    assert max(beside[:3]) > MIN_PROMPT_CHUNK or len(beside) > 1500 // MIN_PROMPT_CHUNK
+    floor = prompt_floor(1)
+    assert all(t <= floor for t in beside[3:]), beside
+    assert max(beside[:3]) > floor or len(beside) > 1500 // floor
 
 
 def test_offline_generate_does_not_hold_prompts(tmp_path):
