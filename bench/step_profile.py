@@ -167,6 +167,13 @@ def forward_split(worker, steps: int) -> dict[str, float]:
     return {k: spent[k] / forward_us for k in CATEGORIES}
 
 
+# modules (transformers'), torch's op (ours), zentorch's ops (ours beside zentorch's linears)
+NORM_OPS = (
+    "trae::norm", "aten::rms_norm", "zentorch::zentorch_rms_norm",
+    "zentorch::zentorch_add_rms_norm_",
+)  # fmt: skip
+
+
 def _category(ev) -> str | None:
     """A top-level event inside the forward → its category; None for everything else
     (nested events are counted with their top-level ancestor)."""
@@ -180,7 +187,7 @@ def _category(ev) -> str | None:
         return None
     if ev.name == "trae::attention":
         return "attention"
-    if ev.name in ("trae::norm", "aten::rms_norm"):  # modules (transformers), the op (ours)
+    if ev.name in NORM_OPS:
         return "norms"
     if "::" not in ev.name or ev.name.startswith("trae::"):
         return None
