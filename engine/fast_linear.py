@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trae_groups.engine.config import LINEAR_LIBRARIES
-from trae_groups.engine.hardware import cpu_vendor
+from trae_groups.engine.hardware import cpu_vendor, detect
 
 __all__ = [
     "DEFAULT_BATCH_HINT",
@@ -102,9 +102,7 @@ def zentorch_dtypes() -> tuple[torch.dtype, ...]:
     """The weight dtypes zentorch packs here: float32, and bf16 where the CPU has AVX512-BF16
     (Zen 4: 0.77x oneDNN's bf16 time at 1 row, 0.89x at 32, 0.95x at 128, level at 512,
     bench/zentorch_linear.py). Others stay on oneDNN."""
-    from trae_groups.engine.hardware import detect
-
-    if "avx512_bf16" in detect("cpu").cpu_flags:
+    if detect("cpu").bf16_math:
         return (torch.float32, torch.bfloat16)
     return (torch.float32,)
 
@@ -290,8 +288,6 @@ def upcast_pays() -> bool:
     """Whether large half-precision row counts should multiply in float32 (UPCAST_ROWS):
     where bf16 matmuls run at about half the float32 rate (Intel without AMX). With AMX, or
     AVX512-BF16 on AMD, bf16 is the fast path and no plain copy of the weight is kept."""
-    from trae_groups.engine.hardware import detect
-
     return not detect("cpu").bf16_matmul_outruns_float32
 
 

@@ -246,7 +246,7 @@ class Scheduler:
         decoding). A prompt running alone takes steps of ALONE_STRETCH times the target, at
         least MIN_ALONE_CHUNK tokens: a request that arrives meanwhile waits for the step in
         flight."""
-        if self.step_target_s is None or not self.hold_prompts:
+        if not self._holding():
             return None
         if not decodes:
             if self.waiting:  # a burst: admitting it fast is what its first tokens need

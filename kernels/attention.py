@@ -91,9 +91,14 @@ class PagedBatch:
         return self._masks[key]
 
     def longest_chunk(self) -> int:
-        starts = self.query_starts
-        return max((starts[s + 1] - starts[s] for s in range(self.num_decodes, self.num_seqs)),
-                   default=1)  # fmt: skip
+        """The most tokens any prompt chunk of the step has (1 without one; cached per step:
+        every layer asks)."""
+        key = ("longest_chunk",)
+        if key not in self._masks:
+            starts = self.query_starts
+            chunks = range(self.num_decodes, self.num_seqs)
+            self._masks[key] = max((starts[s + 1] - starts[s] for s in chunks), default=1)
+        return self._masks[key]
 
     def decode_bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """``decode_mask`` as an additive mask (0 or -inf) in the query's dtype: SDPA's CPU
