@@ -166,3 +166,22 @@ def test_prepare_demo_end_to_end(tmp_path, monkeypatch):
     assert stamp["version"] == assets.report["version"]
     again = prepare_demo(tmp_path, progress=False)  # cached: instant, same folders
     assert again == assets
+
+
+def test_the_demo_serves_as_trae_serve_does_with_its_engine_process(monkeypatch, tmp_path):
+    """`trae demo` hands its graph to the server with the engine in a process of its own (in
+    one process, a burst of large prompts held the HTTP front's event loop for seconds)."""
+    from types import SimpleNamespace
+
+    from trae_groups.demo import run
+    from trae_groups.serving import server
+
+    served = []
+    monkeypatch.setattr(run, "prepare_demo", lambda progress: SimpleNamespace(root=tmp_path))
+    monkeypatch.setattr(server, "serve", lambda paths, config: served.append((paths, config)) or 0)
+    monkeypatch.setenv("TRAE_DEMO_DIR", "unset")  # put back after the test
+    assert run.run_demo("127.0.0.1", 8123, example=False) == 0
+    ((paths, config),) = served
+    assert paths == [run.graph_file()]
+    assert (config.host, config.port, config.engine_process) == ("127.0.0.1", 8123, True)
+    assert os.environ["TRAE_DEMO_DIR"] == str(tmp_path)
