@@ -170,6 +170,7 @@ class Scheduler:
         decodes_left = sum(1 for s in self.running if s.is_decode)
         cap = self._prompt_cap(decodes_left)
         prompt_left = budget if cap is None else cap
+        partial = self._partial_cap(decodes_left)
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -206,6 +207,8 @@ class Scheduler:
             if seq.num_computed == 0:
                 self._match_prefix(seq)
             num_new = self._chunk(seq, min(budget, prompt_left), len(self.waiting) > 1)
+            if partial is not None and num_new < seq.num_uncomputed:
+                num_new = min(num_new, partial)
             if not self._reserve(seq, seq.num_computed + num_new):
                 self._release(seq)  # don't sit on prefix pages while waiting
                 break
@@ -217,17 +220,23 @@ class Scheduler:
             self._add_to(out, seq, num_new, capped)
             budget -= num_new
             prompt_left -= num_new
-        self._top_up(out, capped, min(budget, prompt_left, self._sampling_cap(out)))
+        self._top_up(out, capped, min(budget, prompt_left, self._sampling_cap(out)), partial)
         return out
 
     def _sampling_cap(self, out: SchedulerOutput) -> int:
         """Prompt tokens the step may still take when a prompt in it completes (its first
         token is someone's time to first token): what the target allows beside the step's
-        decodes and sampling rows, less the prompt tokens already in; else no limit."""
+        decodes and sampling rows, less the prompt tokens already in; else no limit. A
+        prompt whose last token alone was left (the rest from the prefix cache) sits with the
+        decodes (and is priced as one), and its first token counts as much as a longer
+        prompt's."""
         prompts = [item for item in out.prefills if not item.draft]
         sampling = sum(1 for item in prompts if item.samples)
+        lasts = sum(1 for item in out.decodes if item.samples and not item.seq.is_decode)
         verifying = len(out.prefills) - len(prompts)
-        cap = self._prompt_cap(len(out.decodes) + verifying + sampling) if sampling else None
+        cap = None
+        if sampling or lasts:
+            cap = self._prompt_cap(len(out.decodes) + verifying + sampling)
         if cap is None:
             return self.max_num_batched_tokens
         return max(0, cap - sum(item.num_new for item in prompts))
@@ -237,7 +246,7 @@ class Scheduler:
         runs, and the step cost is known)."""
         return (
             self.step_target_s is not None and self.hold_prompts
-            and self.cost.estimate() is not None
+            and self.cost.known()
         )  # fmt: skip
 
     def _prompt_cap(self, decodes: int) -> int | None:
@@ -264,6 +273,19 @@ class Scheduler:
             decodes, self.step_target_s, prompt_floor(decodes), self.max_num_batched_tokens,
             slowdown=DECODE_SLOWDOWN,
         )  # fmt: skip
+
+    def _partial_cap(self, decodes: int) -> int | None:
+        """Tokens a chunk that leaves its prompt unfinished may take in a step with nothing
+        decoding, when prompts are held: a burst's prompts that finish in the step take what
+        they need (their first tokens come out of it), but the chunk of a long one that
+        cannot finish gains nothing from a longer step, and whoever arrives next waits for it
+        (a lone 3,000-token prompt's first 512-token step: 2.2 s on an AVX2 EPYC, float32).
+        So it takes the steps of a prompt running alone (ALONE_STRETCH)."""
+        if decodes or not self._holding():
+            return None
+        return self.cost.prompt_budget(
+            0, ALONE_STRETCH * self.step_target_s, MIN_ALONE_CHUNK, self.max_num_batched_tokens
+        )
 
     def _take_draft(self, seq: Sequence, room: int, decodes_behind: int) -> list[int]:
         """The proposals ``seq`` verifies this step: as many as ``room`` tokens of budget
@@ -298,11 +320,16 @@ class Scheduler:
             num_new = min(num_new, self.long_prefill_tokens)
         return num_new
 
-    def _top_up(self, out: SchedulerOutput, capped: list[ScheduledSeq], budget: int) -> None:
-        """Budget that admission left goes back to the prompt chunks capped for it."""
+    def _top_up(
+        self, out: SchedulerOutput, capped: list[ScheduledSeq], budget: int, partial: int | None
+    ) -> None:
+        """Budget that admission left goes back to the prompt chunks capped for it (a chunk
+        that still leaves its prompt unfinished up to ``partial`` tokens, where set)."""
         for item in capped:
             seq = item.seq
             extra = min(seq.num_uncomputed - item.num_new, budget)
+            if partial is not None and item.num_new + extra < seq.num_uncomputed:
+                extra = min(extra, partial - item.num_new)
             if extra <= 0 or not self._reserve(seq, seq.num_computed + item.num_new + extra):
                 continue
             if item.num_new == 1:  # a one-token chunk sat with the decodes

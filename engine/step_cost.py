@@ -15,7 +15,19 @@ times its usual time, so steps the first fit explains worst are dropped before t
 It reads the last ``RECENT`` steps (a model whose contexts grow, or a machine that gets
 busier, is followed) plus the last ``ANCHORS`` steps with and without prompt tokens, however
 old, so each coefficient stays grounded when recent steps are all of one kind. Until it has
-seen both decodes and prompt tokens there is no estimate, and the scheduler does not cap.
+seen both decodes and prompt tokens there is no estimate.
+
+The budget itself does not trust that fit's intercept. Attention deep in a long context is
+not linear in the step's tokens, and a fit over a 3,000-token prompt's chunks put the base at
+64-128 ms where the decode step it stood for took ~25 ms (Zen 4, bf16): every held step was
+priced as if the decodes alone took three times their time, and the chat beside the prompt
+streamed at a third of its speed. So what the decodes cost alone is read off the steps that
+were decodes alone (a robust line over their decode counts), and what a prompt token costs is
+the median marginal cost of the recent steps that carried prompt tokens: what each of those
+steps took beyond its decodes' own step, per prompt token. Both follow the context of the
+moment. The joint fit stands in for either while its steps have not been seen. Until one
+of the two ways knows both, the scheduler does not cap (``known``): a fresh engine knows after
+three decode-only steps and one with prompt tokens (a chat), not only after three of each.
 """
 
 from __future__ import annotations
@@ -43,6 +55,8 @@ class StepCost:
         self._recent: deque[Step] = deque(maxlen=RECENT)
         self._with_prompt: deque[Step] = deque(maxlen=ANCHORS)
         self._without_prompt: deque[Step] = deque(maxlen=ANCHORS)
+        self._decodes_only: deque[Step] = deque(maxlen=RECENT)
+        self._line: tuple[float, float] | None = None
         self._coef: tuple[float, float, float] | None = None
         self._stale = False
 
@@ -53,13 +67,45 @@ class StepCost:
         step = (decodes, prompt_tokens, seconds)
         self._recent.append(step)
         (self._with_prompt if prompt_tokens else self._without_prompt).append(step)
+        if decodes and not prompt_tokens:
+            self._decodes_only.append(step)
         self._stale = True
 
     def estimate(self) -> tuple[float, float, float] | None:
         """(base, per decode, per prompt token) in seconds, or None while unknown."""
         if self._stale:
             self._coef, self._stale = self._fit(), False
+            self._line = _robust_line(list(self._decodes_only), self._coef)
         return self._coef
+
+    def decodes_alone(self, decodes: int) -> float | None:
+        """Seconds of a step of ``decodes`` decodes and no prompt tokens: measured on such
+        steps where there were some, else the joint fit's; None while unknown."""
+        coef = self.estimate()
+        if self._line is not None:
+            base, per_decode = self._line
+            return base + per_decode * decodes
+        if coef is None:
+            return None
+        return coef[0] + coef[1] * decodes
+
+    def per_prompt_token(self) -> float | None:
+        """Seconds a prompt token adds to a step: the median over the recent steps with
+        prompt tokens of what each took beyond its decodes alone, per prompt token (the
+        joint fit's share while no decode-only step was seen); None while unknown."""
+        coef = self.estimate()
+        if self._line is not None and self._with_prompt:
+            base, per_decode = self._line
+            return statistics.median(
+                max(seconds - base - per_decode * decodes, 0.0) / tokens
+                for decodes, tokens, seconds in self._with_prompt
+            )
+        return None if coef is None else coef[2]
+
+    def known(self) -> bool:
+        """Whether both what the decodes cost alone and what a prompt token adds are known:
+        from MIN_STEPS decode-only steps and one with prompt tokens, or from the joint fit."""
+        return self.decodes_alone(0) is not None and self.per_prompt_token() is not None
 
     def prompt_budget(
         self,
@@ -74,13 +120,11 @@ class StepCost:
         ``stretch`` times the decodes' own step where that is longer, but (``slowdown``) not
         past that many times the decodes' own step; between ``floor`` (a long prompt always
         moves on) and ``ceiling``; None while unknown."""
-        coef = self.estimate()
-        if coef is None:
+        decodes_alone, per_token = self.decodes_alone(decodes), self.per_prompt_token()
+        if decodes_alone is None or per_token is None:
             return None
-        base, per_decode, per_token = coef
         if per_token <= 0:
             return ceiling
-        decodes_alone = base + per_decode * decodes
         step = max(target_s, stretch * decodes_alone)
         if slowdown is not None:
             step = min(step, slowdown * decodes_alone)
@@ -102,6 +146,38 @@ class StepCost:
         base, per_decode, per_token = coef
         # a negative share is noise in a short history: no part of a step costs below zero
         return max(base, 0.0), max(per_decode, 0.0), max(per_token, 0.0)
+
+
+def _robust_line(
+    steps: list[Step], coef: tuple[float, float, float] | None
+) -> tuple[float, float] | None:
+    """(base, per decode) of decode-only steps: least squares, then again without the steps
+    it explains worst (a step that built a matmul shape or shared its cores); None with fewer
+    than MIN_STEPS of them. Where the steps had one decode count (a batch-1 chat) or came out
+    sloping down, the slope is the joint fit ``coef``'s per-decode share (0 without it)."""
+    if len(steps) < MIN_STEPS:
+        return None
+    slope = 0.0 if coef is None else coef[1]
+    line = _line(steps, slope)
+    residuals = [abs(line[0] + line[1] * s[0] - s[2]) for s in steps]
+    spread = statistics.median(residuals)
+    kept = [s for s, r in zip(steps, residuals, strict=True) if r <= OUTLIER_MADS * spread]
+    return _line(kept, slope) if len(kept) >= 2 else line
+
+
+def _line(steps: list[Step], fallback_slope: float) -> tuple[float, float]:
+    """Least-squares seconds ~= base + per_decode * decodes; through the steps' median at
+    their median decode count with ``fallback_slope`` where theirs is unknown or negative."""
+    mean_d = statistics.fmean(s[0] for s in steps)
+    mean_t = statistics.fmean(s[2] for s in steps)
+    sxx = sum((s[0] - mean_d) ** 2 for s in steps)
+    slope = sum((s[0] - mean_d) * (s[2] - mean_t) for s in steps) / sxx if sxx > 0 else 0.0
+    if slope <= 0:
+        mid = statistics.median(s[2] for s in steps)
+        return max(mid - fallback_slope * statistics.median(s[0] for s in steps), 0.0), (
+            fallback_slope
+        )
+    return max(mean_t - slope * mean_d, 0.0), slope
 
 
 def _features(step: Step) -> tuple[float, float, float]:

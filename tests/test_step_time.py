@@ -145,16 +145,45 @@ def test_a_slow_model_still_moves_a_long_prompt_on():
     assert cost.prompt_budget(1, 0.010, MIN_PROMPT_CHUNK, 512) == MIN_PROMPT_CHUNK
 
 
+def test_held_steps_are_priced_from_measured_decode_steps_not_the_fits_intercept():
+    """Deep in a long prompt a token costs more than in its first chunks (its attention reads
+    the whole context), which no line through all steps fits: the joint fit's base and
+    per-token share misprice a step beside a chat. The budget reads the chat's own decode
+    steps and the recent steps' marginal cost per prompt token instead, so the held step
+    takes DECODE_SLOWDOWN times the chat's step, not more."""
+    decode_step = 0.025
+    cost = StepCost()
+    for _ in range(10):
+        cost.observe(1, 0, decode_step)  # the chat alone
+    for tokens in (512, 384, 384, 256):  # the long prompt's first chunks, alone: cheap
+        cost.observe(0, tokens, 0.010 + tokens * 0.0006)
+
+    def deep(tokens: int) -> float:  # beside the chat, deep in the prompt: 1 ms a token
+        return decode_step + tokens * 0.001
+
+    for tokens in (9, 12, 9, 20, 9, 9, 15, 9, 30, 9):
+        cost.observe(1, tokens, deep(tokens))
+    assert cost.decodes_alone(1) == pytest.approx(decode_step)
+    assert cost.per_prompt_token() == pytest.approx(0.001)
+    budget = cost.prompt_budget(1, 0.100, prompt_floor(1), 512, slowdown=DECODE_SLOWDOWN)
+    assert deep(budget) == pytest.approx(DECODE_SLOWDOWN * decode_step, rel=0.05)
+    # what the joint fit alone would have allowed: a step well past the bound
+    base, per_decode, per_token = cost.estimate()
+    by_fit = int((DECODE_SLOWDOWN * (base + per_decode) - base - per_decode) / per_token)
+    assert deep(by_fit) > 1.25 * DECODE_SLOWDOWN * decode_step
+
+
 def test_a_prompt_alone_runs_in_steps_of_a_few_targets_and_without_a_target_whole():
     held = scheduler(target_s=0.100)
     long = seq(3000, "long")
     held.add(long)
-    # admitted from the queue (a burst with nothing decoding): the whole budget
-    assert held.schedule().prefills[0].num_new == 512
-    long.num_computed += 512
-    # then running alone: ALONE_STRETCH x 100 ms, less the 30 ms base, at 1 ms a token
-    alone = held.schedule().prefills[0].num_new
-    assert alone == pytest.approx((ALONE_STRETCH * 0.100 - BASE) / PER_TOKEN, abs=4)
+    # ALONE_STRETCH x 100 ms, less the 30 ms base, at 1 ms a token: from its first step
+    # (admitted from the queue, it cannot finish in one) and while it runs alone
+    want = (ALONE_STRETCH * 0.100 - BASE) / PER_TOKEN
+    first = held.schedule().prefills[0].num_new
+    assert first == pytest.approx(want, abs=4)
+    long.num_computed += first
+    assert held.schedule().prefills[0].num_new == pytest.approx(want, abs=4)
     slow = scheduler(target_s=0.001)  # a target no chunk fits: still MIN_ALONE_CHUNK
     slow.add(seq(3000, "long"))
     advance(slow)
@@ -162,6 +191,25 @@ def test_a_prompt_alone_runs_in_steps_of_a_few_targets_and_without_a_target_whol
     free = scheduler(target_s=None)
     decoding_beside_a_long_prompt(free)
     assert free.schedule().prefills[0].num_new == 512 - 1  # one token left for the decode
+
+
+def test_a_burst_with_nothing_decoding_takes_the_whole_budget_for_the_prompts_it_finishes():
+    """Prompts that finish in the step get their first tokens from it: a burst of them takes
+    the whole budget; only a chunk that leaves its prompt unfinished is held to the steps of
+    a prompt alone."""
+    s = scheduler(target_s=0.100)
+    for i in range(5):
+        s.add(seq(100, f"short{i}"))
+    s.add(seq(3000, "long"))
+    chunks = {i.seq.request_id: i.num_new for i in s.schedule().prefills}
+    assert [chunks[f"short{i}"] for i in range(5)] == [100] * 5
+    assert chunks["long"] == 512 - 500  # what the budget leaves, under the alone step
+    s = scheduler(target_s=0.100)
+    for i in range(6):
+        s.add(seq(100, f"short{i}"))
+    step = s.schedule()
+    assert sum(i.num_new for i in step.prefills) == 512  # five finish, the sixth 12 tokens
+    assert step.num_tokens == 512
 
 
 def test_a_held_step_shares_its_prompt_tokens_with_waiting_prompts():
@@ -192,6 +240,24 @@ def test_a_step_that_gives_a_prompt_its_first_token_is_not_topped_up_past_the_ta
         chunks = {i.seq.request_id: i.num_new for i in s.schedule().prefills}
         assert chunks["short"] == 20, target
         assert chunks["long"] == pytest.approx(long_chunk, abs=3), target
+
+
+def test_a_prompt_left_with_its_last_token_holds_the_step_as_a_longer_one_does():
+    """A prompt found in the prefix cache but for its last token is a one-token chunk that
+    sits with the decodes: its first token is as much someone's time to first token, so the
+    long prompt beside it is held the same way, not topped up to the budget."""
+    want = round((DECODE_SLOWDOWN - 1) * cost_of(1, 0) / PER_TOKEN)
+    s = scheduler(target_s=0.100)
+    long = seq(3000, "long")
+    s.add(long)
+    advance(s)  # the long prompt runs alone
+    cached = seq(20, "cached")
+    cached.num_computed = 19  # as if the prefix cache held the rest
+    s.add(cached)
+    step = s.schedule()
+    assert [i.seq.request_id for i in step.decodes] == ["cached"]
+    (chunk,) = step.prefills
+    assert chunk.seq is long and chunk.num_new == pytest.approx(want, abs=3)
 
 
 def test_the_engine_learns_its_step_cost_and_holds_prompts_beside_streams(tmp_path, monkeypatch):
