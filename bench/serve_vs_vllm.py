@@ -133,8 +133,11 @@ def drive(args, port: int, concurrency: int, workdir: Path, log, warm: bool) -> 
             "--temperature", "0", "--seed", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
             "--save-result", "--result-dir", str(workdir), "--result-filename", out.name]  # fmt: skip
+    # the client imports vLLM's kernels too: without the CPU platform named it loads the
+    # AVX-512 build, which dies of SIGILL on an AVX2-only CPU
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu")
     subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=args.run_timeout,
-                   check=True)  # fmt: skip
+                   env=env, check=True)  # fmt: skip
     return json.loads(out.read_text())
 
 
