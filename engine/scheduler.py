@@ -260,10 +260,7 @@ class Scheduler:
         if not decodes:
             if self.waiting:  # a burst: admitting it fast is what its first tokens need
                 return None
-            return self.cost.prompt_budget(
-                0, ALONE_STRETCH * self.step_target_s, MIN_ALONE_CHUNK,
-                self.max_num_batched_tokens,
-            )  # fmt: skip
+            return self._alone_budget()
         if self.waiting:  # stretched only to keep admitting prompts
             return self.cost.prompt_budget(
                 decodes, self.step_target_s, prompt_floor(decodes), self.max_num_batched_tokens,
@@ -283,6 +280,11 @@ class Scheduler:
         So it takes the steps of a prompt running alone (ALONE_STRETCH)."""
         if decodes or not self._holding():
             return None
+        return self._alone_budget()
+
+    def _alone_budget(self) -> int | None:
+        """Prompt tokens of a step with nothing decoding: ALONE_STRETCH times the target, at
+        least MIN_ALONE_CHUNK."""
         return self.cost.prompt_budget(
             0, ALONE_STRETCH * self.step_target_s, MIN_ALONE_CHUNK, self.max_num_batched_tokens
         )

@@ -138,9 +138,7 @@ class StepCost:
         coef = _least_squares(steps)
         if coef is None:
             return None
-        residuals = [abs(_predict(coef, s) - s[2]) for s in steps]
-        spread = statistics.median(residuals)
-        kept = [s for s, r in zip(steps, residuals, strict=True) if r <= OUTLIER_MADS * spread]
+        kept = _inliers(steps, [abs(_predict(coef, s) - s[2]) for s in steps])
         if len(kept) >= 3 and len(kept) < len(steps):
             coef = _least_squares(kept) or coef
         base, per_decode, per_token = coef
@@ -159,10 +157,14 @@ def _robust_line(
         return None
     slope = 0.0 if coef is None else coef[1]
     line = _line(steps, slope)
-    residuals = [abs(line[0] + line[1] * s[0] - s[2]) for s in steps]
-    spread = statistics.median(residuals)
-    kept = [s for s, r in zip(steps, residuals, strict=True) if r <= OUTLIER_MADS * spread]
+    kept = _inliers(steps, [abs(line[0] + line[1] * s[0] - s[2]) for s in steps])
     return _line(kept, slope) if len(kept) >= 2 else line
+
+
+def _inliers(steps: list[Step], residuals: list[float]) -> list[Step]:
+    """The steps within OUTLIER_MADS median deviations of a first fit (``residuals``)."""
+    spread = statistics.median(residuals)
+    return [s for s, r in zip(steps, residuals, strict=True) if r <= OUTLIER_MADS * spread]
 
 
 def _line(steps: list[Step], fallback_slope: float) -> tuple[float, float]:
@@ -172,12 +174,11 @@ def _line(steps: list[Step], fallback_slope: float) -> tuple[float, float]:
     mean_t = statistics.fmean(s[2] for s in steps)
     sxx = sum((s[0] - mean_d) ** 2 for s in steps)
     slope = sum((s[0] - mean_d) * (s[2] - mean_t) for s in steps) / sxx if sxx > 0 else 0.0
-    if slope <= 0:
-        mid = statistics.median(s[2] for s in steps)
-        return max(mid - fallback_slope * statistics.median(s[0] for s in steps), 0.0), (
-            fallback_slope
-        )
-    return max(mean_t - slope * mean_d, 0.0), slope
+    if slope > 0:
+        return max(mean_t - slope * mean_d, 0.0), slope
+    mid_t = statistics.median(s[2] for s in steps)
+    mid_d = statistics.median(s[0] for s in steps)
+    return max(mid_t - fallback_slope * mid_d, 0.0), fallback_slope
 
 
 def _features(step: Step) -> tuple[float, float, float]:
