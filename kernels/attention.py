@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from trae_groups.kernels import cpu_native
+from trae_groups.kernels import cpu_native, zen_attention
 from trae_groups.kernels.kv_quant import QuantKV
 
 # At most this many K/V rows (sequences x padded context) gathered for one padded
@@ -147,6 +147,14 @@ class PagedBatch:
         self._masks[key] = (tables, rows, keep, mask[:, None])
         return self._masks[key]
 
+    def additive_mask(self, key: tuple, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``mask`` (a boolean one of this step, cached under ``key``) as zentorch's kernel
+        takes it, made once per step: every layer uses it."""
+        key = ("additive", *key, dtype)
+        if key not in self._masks:
+            self._masks[key] = zen_attention.additive(mask, dtype)
+        return self._masks[key]
+
 
 def store_kv(
     key: torch.Tensor,
@@ -243,7 +251,8 @@ def paged_attention(
             _prefill_one_by_one(query, key, value, k_cache, v_cache, batch, scale,
                                 sliding_window, gqa, out)  # fmt: skip
         else:
-            _prefill_padded(query, k_cache, v_cache, batch, plan, scale, gqa, out)
+            _prefill_padded(query, k_cache, v_cache, batch, plan, scale, sliding_window, gqa,
+                            out)  # fmt: skip
     return out
 
 
@@ -285,7 +294,7 @@ def _decode_matmul(q, k, v, mask, scale) -> torch.Tensor:
     return torch.matmul(probs, v.transpose(1, 2)).view(nd, heads, dim)
 
 
-def _prefill_padded(query, k_cache, v_cache, batch, plan, scale, gqa, out) -> None:
+def _prefill_padded(query, k_cache, v_cache, batch, plan, scale, window, gqa, out) -> None:
     """Every prefill chunk of the step in one SDPA call, padded to the longest chunk
     and context: one call per layer instead of one per sequence."""
     tables, rows, keep, mask = plan
@@ -294,14 +303,19 @@ def _prefill_padded(query, k_cache, v_cache, batch, plan, scale, gqa, out) -> No
     k = k_cache.index_select(0, tables.reshape(-1)).view(n_seqs, width, *k_cache.shape[2:])
     v = v_cache.index_select(0, tables.reshape(-1)).view(n_seqs, width, *v_cache.shape[2:])
     q = query.index_select(0, rows.reshape(-1)).view(*rows.shape, *query.shape[1:])
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask,
-        scale=scale,
-        enable_gqa=gqa,
-    )  # [n_seqs, heads, longest chunk, dim]
+    if zen_attention.supports(q, k):
+        bias = batch.additive_mask(("prefill", window), mask, q.dtype)
+        o = zen_attention.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale,
+                               mask=bias)  # fmt: skip
+    else:
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=gqa,
+        )  # [n_seqs, heads, longest chunk, dim]
     first = batch.query_starts[batch.num_decodes]
     out[first:] = o.transpose(1, 2).flatten(0, 1).index_select(0, keep)
 
@@ -343,6 +357,9 @@ def _prefill_one_by_one(query, key, value, k_cache, v_cache, batch, scale, windo
     for s in range(batch.num_decodes, batch.num_seqs):
         lo, hi = starts[s], starts[s + 1]
         n_q, n_k = hi - lo, batch.context_lens[s]
+        if zen_attention.supports(query, key):
+            out[lo:hi] = _zen_chunk(query, key, value, k_cache, v_cache, batch, s, scale, window)
+            continue
         if n_q == n_k:  # fresh prefill: the new K/V are the whole context
             k, v = key[lo:hi], value[lo:hi]
         elif window is None and query.device.type == "cpu" and not isinstance(k_cache, QuantKV):
@@ -371,6 +388,27 @@ def _prefill_one_by_one(query, key, value, k_cache, v_cache, batch, scale, windo
             enable_gqa=gqa,
         )
         out[lo:hi] = o.transpose(0, 1)
+
+
+def _zen_chunk(query, key, value, k_cache, v_cache, batch, s, scale, window) -> torch.Tensor:
+    """Sequence ``s``'s prompt chunk on zentorch's kernel: a fresh prompt causal over its own
+    K/V, a chunk over a cached prefix (or in a window) over its pages with a bottom-right
+    mask. [n_q, heads, dim]."""
+    lo, hi = batch.query_starts[s], batch.query_starts[s + 1]
+    n_q, n_k = hi - lo, batch.context_lens[s]
+    q = query[lo:hi].transpose(0, 1)[None]
+    if n_q == n_k:
+        k, v = key[lo:hi], value[lo:hi]
+    else:
+        pages = batch.block_tables[s, : -(-n_k // batch.tokens_per_page)]
+        k, v = gather_kv(k_cache, pages)[:n_k], gather_kv(v_cache, pages)[:n_k]
+    bool_mask = _prefill_mask(n_q, n_k, window, query.device)
+    bias = None
+    if bool_mask is not None:
+        bias = batch.additive_mask(("chunk", s, window), bool_mask, q.dtype)
+    o = zen_attention.sdpa(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale,
+                           causal=bias is None, mask=bias)  # fmt: skip
+    return o[0].transpose(0, 1)
 
 
 def naive_attention(

@@ -120,3 +120,17 @@ def test_random_operations_never_leak_or_double_free(sequence):
     pool.release(held)
     pool.clear_cache()
     assert pool.stats().free_pages == 6
+
+
+def test_allocate_zero_clears_exactly_the_pages_it_hands_out():
+    # runs of consecutive ids and lone pages alike (the free list after frees out of order)
+    pool = MemoryPool(num_pages=12, page_bytes=64)
+    taken = pool.allocate("a", 12)
+    pool.buffer.fill_(7)
+    for page in (9, 2, 3, 4, 7, 0):
+        pool.release([page])
+    got = pool.allocate("b", 6, zero=True)
+    assert sorted(got) == [0, 2, 3, 4, 7, 9]
+    assert not pool.buffer[got].any()
+    others = [p for p in taken if p not in got]
+    assert bool((pool.buffer[others] == 7).all())

@@ -1,0 +1,94 @@
+"""Prompt attention through AMD's zentorch SDPA kernel, where the CPU and the dtype allow it.
+
+Why: a prompt chunk's attention is a third of a prefill step with torch's CPU flash kernel
+(SmolLM2, 32 prompts of 512 tokens, bf16, Zen 5: 4.1 of 11.1 s). torch's kernel splits the
+keys in blocks of 512, so a causal chunk of 512 tokens computes every score of the square,
+and a chunk beside its cached prefix needs a boolean mask that it reads score by score.
+zentorch's kernel, the same call shape, runs the step's shapes 2.7-3.1x faster in bf16 and
+1.6-2.1x in float32 (Zen 5: a causal 512-token chunk 1.6 against 4.6 ms, four 128-token
+chunks over 512 keys with a mask 2.0 against 5.9 ms; ``bench/zen_attention.py``). It takes
+GQA as is (no repeated K/V), strided views, and an additive mask in the query's dtype.
+
+Its causal flag aligns top-left (like torch's), so a chunk over a cached prefix gets an
+explicit additive mask, aligned bottom-right. It returns no usable log-sum-exp, which the
+paths here never need.
+
+Used where zentorch's op library loads (the ``zen`` extra), the CPU is AMD's and has the
+op's instruction set (AVX512-BF16 for bf16, AVX-512 for float32: an AVX2-only EPYC keeps
+torch's kernel), and the K/V are in the query's dtype. ``TRAE_ZEN_ATTENTION=0`` turns it
+off (torch's kernel then runs, the same numbers within rounding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Iterator
+
+import torch
+
+ENV_SWITCH = "TRAE_ZEN_ATTENTION"  # "0": never use zentorch's SDPA
+_off = threading.local()  # ``turned_off``: this thread runs torch's kernel
+
+
+@contextlib.contextmanager
+def turned_off() -> Iterator[None]:
+    """Run torch's kernel on this thread meanwhile (tests compare the two paths)."""
+    _off.on = True
+    try:
+        yield
+    finally:
+        _off.on = False
+
+
+@functools.cache
+def _dtypes() -> frozenset[torch.dtype]:
+    """The dtypes zentorch's SDPA runs here (empty where it cannot be had)."""
+    if os.environ.get(ENV_SWITCH) == "0":
+        return frozenset()
+    # the engine's home for loading zentorch (its op library alone, not the 4.7 s import)
+    from trae_groups.engine.fast_linear import zentorch_available
+    from trae_groups.engine.hardware import cpu_vendor
+
+    if cpu_vendor() != "AuthenticAMD" or not zentorch_available():
+        return frozenset()
+    if not hasattr(torch.ops.zentorch, "zentorch_sdpa"):
+        return frozenset()
+    found = set()
+    if torch.cpu._is_avx512_supported():
+        found.add(torch.float32)
+    if torch.cpu._is_avx512_bf16_supported():
+        found.add(torch.bfloat16)
+    return frozenset(found)
+
+
+def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether a prompt chunk of ``query`` over ``key`` may run on zentorch's kernel."""
+    return (
+        query.device.type == "cpu"
+        and key.dtype == query.dtype
+        and query.dtype in _dtypes()
+        and not getattr(_off, "on", False)
+    )
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True: attend) as the additive one (0 or -inf) the kernel takes."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+        ~mask, float("-inf")
+    )
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [B, heads, n_q, dim], k/v [B, kv_heads, n_k, dim] (views are fine); ``mask``
+    additive [B or 1, 1, n_q, n_k] in q's dtype, ``causal`` top-left. [B, heads, n_q, dim]."""
+    return torch.ops.zentorch.zentorch_sdpa(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[0]
