@@ -199,7 +199,7 @@ class FlatForward(nn.Module):
         model, base = self._refs
         hidden = base.embed_tokens(input_ids)
         cos, sin = base.rotary_emb(hidden, positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]
+        cos, sin = cos[0, :, None, :], _signed_sin(sin[0, :, None, :])
         residual = hidden
         rms_norm, add_rms_norm = _norms_for(self.qkv[0])
         x = rms_norm(hidden, base.layers[0].input_layernorm)
@@ -277,12 +277,20 @@ def _norms_for(projection: nn.Module) -> tuple[Callable, Callable]:
     return _rms_norm, _add_rms_norm
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, rotate-half form (transformers' ``apply_rotary_pos_emb``):
-    x [T, heads, dim]; cos/sin [T, 1, dim]."""
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated, once per step: rotate-half's sign moves from every
+    layer's rotation (a pass over q and k) into this [T, 1, dim] table."""
+    half = sin.shape[-1] // 2
+    return torch.cat((sin[..., :half].neg(), sin[..., half:]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half form (transformers' ``apply_rotary_pos_emb``), exactly:
+    rotate_half(x) * sin == cat(x2, x1) * ``_signed_sin(sin)``. x [T, heads, dim]; cos and
+    signed_sin [T, 1, dim]."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((x[..., half:].neg(), x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, rotated, sin)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)
 
 
 def _slice_updates(parent: nn.Module, names: tuple[str, ...], x, fused_out) -> None:
