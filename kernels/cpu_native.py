@@ -15,7 +15,6 @@ nothing is built and the torch reference runs (the same numbers within float rou
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import logging
@@ -24,10 +23,11 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from trae_groups.kernels.thread_switch import ThreadSwitch
 
 log = logging.getLogger("trae_groups.kernels")
 
@@ -42,7 +42,8 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _limits = (0, 0)
-_off = threading.local()  # ``turned_off``: this thread runs the torch reference
+_switch = ThreadSwitch()
+turned_off = _switch.turned_off  # this thread runs the torch reference meanwhile (tests)
 
 
 def _compiler() -> str | None:
@@ -98,20 +99,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         decode.restype = None
 
 
-@contextlib.contextmanager
-def turned_off() -> Iterator[None]:
-    """Run the torch reference on this thread meanwhile (tests compare the two paths)."""
-    _off.on = True
-    try:
-        yield
-    finally:
-        _off.on = False
-
-
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, or None where they cannot be had (the reason logged once)."""
     global _lib, _tried, _limits
-    if getattr(_off, "on", False):
+    if _switch.off:
         return None
     if _tried:
         return _lib

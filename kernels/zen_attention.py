@@ -6,7 +6,7 @@ keys in blocks of 512, so a causal chunk of 512 tokens computes every score of t
 and a chunk beside its cached prefix needs a boolean mask that it reads score by score.
 zentorch's kernel, the same call shape, runs the step's shapes 2.7-3.1x faster in bf16 and
 1.6-2.1x in float32 (Zen 5: a causal 512-token chunk 1.6 against 4.6 ms, four 128-token
-chunks over 512 keys with a mask 2.0 against 5.9 ms; ``bench/zen_attention.py``). It takes
+chunks over 512 keys with a mask 2.0 against 5.9 ms; docs/kernels.md). It takes
 GQA as is (no repeated K/V), strided views, and an additive mask in the query's dtype.
 
 Its causal flag aligns top-left (like torch's), so a chunk over a cached prefix gets an
@@ -21,26 +21,16 @@ off (torch's kernel then runs, the same numbers within rounding).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
-import threading
-from collections.abc import Iterator
 
 import torch
 
+from trae_groups.kernels.thread_switch import ThreadSwitch
+
 ENV_SWITCH = "TRAE_ZEN_ATTENTION"  # "0": never use zentorch's SDPA
-_off = threading.local()  # ``turned_off``: this thread runs torch's kernel
-
-
-@contextlib.contextmanager
-def turned_off() -> Iterator[None]:
-    """Run torch's kernel on this thread meanwhile (tests compare the two paths)."""
-    _off.on = True
-    try:
-        yield
-    finally:
-        _off.on = False
+_switch = ThreadSwitch()
+turned_off = _switch.turned_off  # this thread runs torch's kernel meanwhile (tests)
 
 
 @functools.cache
@@ -70,14 +60,7 @@ def supports(query: torch.Tensor, key: torch.Tensor) -> bool:
         query.device.type == "cpu"
         and key.dtype == query.dtype
         and query.dtype in _dtypes()
-        and not getattr(_off, "on", False)
-    )
-
-
-def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask (True: attend) as the additive one (0 or -inf) the kernel takes."""
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
-        ~mask, float("-inf")
+        and not _switch.off
     )
 
 
