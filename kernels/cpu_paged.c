@@ -20,8 +20,31 @@
 #define MAX_GROUP 16  /* query heads per KV head */
 #define MAX_DIM 256   /* head dimension */
 #define BLOCK 64      /* keys scored at once before the running softmax is rescaled */
+/* Keys ahead of the one being scored whose K and V rows are prefetched (and the first that
+ * many before the loop). A row's keys lie on pages scattered through the pool, so the
+ * hardware's stream prefetchers do not see them coming: batch-32 decode over 130-token
+ * contexts read 8.6 GB/s without, 20.5 with 32 keys ahead and the first ones fetched early
+ * (16 ahead: 15.9, 64: 14.8, 128: 11.0 without the early ones; SmolLM2's heads, bf16, 30
+ * layers, Zen 5). Pages laid out layer by layer instead read 6.8: the layout is not it. */
+#define AHEAD 32
 
 typedef uint16_t bf16;
+
+/* Ask for key j's K and V rows of head kh (dim elements of size bytes each) into L1. */
+static inline void prefetch_key(const void *k_cache, const void *v_cache,
+                                const int64_t *table, int64_t j, int64_t page_size,
+                                int64_t page_s, int64_t tok_s, int64_t head_s, int64_t kh,
+                                int64_t row_bytes, int64_t size) {
+    const int64_t at =
+        (table[j / page_size] * page_s + (j % page_size) * tok_s + kh * head_s) * size;
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch((const char *)k_cache + at + b, 0, 3);
+        __builtin_prefetch((const char *)v_cache + at + b, 0, 3);
+    }
+}
+#define PREFETCH_KEY(T, j)                                                                   \
+    prefetch_key(k_cache, v_cache, table, (j), page_size, page_s, tok_s, head_s, kh,         \
+                 dim * (int64_t)sizeof(T), (int64_t)sizeof(T))
 
 static inline float bf16_to_f32(bf16 x) {
     uint32_t u = (uint32_t)x << 16;
@@ -89,12 +112,15 @@ static inline bf16 f32_to_bf16(float f) { /* round to nearest even, NaN kept NaN
                 best[g] = -INFINITY;                                                         \
                 total[g] = 0.0f;                                                             \
             }                                                                                \
+            for (int64_t ja = lo; ja <= pos && ja < lo + AHEAD; ja++)                        \
+                PREFETCH_KEY(T, ja); /* the first keys */                                    \
             for (int64_t j0 = lo; j0 <= pos; j0 += BLOCK) {                                  \
                 const int64_t n = (pos - j0 + 1 < BLOCK) ? pos - j0 + 1 : BLOCK;             \
                 for (int64_t jj = 0; jj < n; jj++) {                                         \
                     const int64_t j = j0 + jj;                                               \
                     const T *kp = k_cache + table[j / page_size] * page_s +                  \
                                   (j % page_size) * tok_s + kh * head_s;                     \
+                    if (j + AHEAD <= pos) PREFETCH_KEY(T, j + AHEAD);                        \
                     for (int64_t g = 0; g < group; g++) {                                    \
                         float s = 0.0f;                                                      \
                         _Pragma("omp simd reduction(+ : s)")                                 \
@@ -193,12 +219,15 @@ static inline __m512 exp16(__m512 x) { /* x <= 0: a score minus the running maxi
             best[g] = -INFINITY;                                                             \
             total[g] = 0.0f;                                                                 \
         }                                                                                    \
+        for (int64_t ja = lo; ja <= pos && ja < lo + AHEAD; ja++)                            \
+            PREFETCH_KEY(T, ja); /* the first keys */                                        \
         for (int64_t j0 = lo; j0 <= pos; j0 += BLOCK) {                                      \
             const int64_t n = (pos - j0 + 1 < BLOCK) ? pos - j0 + 1 : BLOCK;                 \
             for (int64_t jj = 0; jj < n; jj++) {                                             \
                 const int64_t j = j0 + jj;                                                   \
                 const T *kp = k_cache + table[j / page_size] * page_s +                      \
                               (j % page_size) * tok_s + kh * head_s;                         \
+                if (j + AHEAD <= pos) PREFETCH_KEY(T, j + AHEAD);                            \
                 __m512 k[MAX_DIM / 16];                                                      \
                 for (int c = 0; c < nd; c++) k[c] = load16_##T(kp + 16 * c);                 \
                 for (int64_t g = 0; g < group; g++) {                                        \
@@ -308,12 +337,15 @@ static inline __m256 exp8(__m256 x) { /* x <= 0: a score minus the running maxim
             best[g] = -INFINITY;                                                             \
             total[g] = 0.0f;                                                                 \
         }                                                                                    \
+        for (int64_t ja = lo; ja <= pos && ja < lo + AHEAD; ja++)                            \
+            PREFETCH_KEY(T, ja); /* the first keys */                                        \
         for (int64_t j0 = lo; j0 <= pos; j0 += BLOCK) {                                      \
             const int64_t n = (pos - j0 + 1 < BLOCK) ? pos - j0 + 1 : BLOCK;                 \
             for (int64_t jj = 0; jj < n; jj++) {                                             \
                 const int64_t j = j0 + jj;                                                   \
                 const T *kp = k_cache + table[j / page_size] * page_s +                      \
                               (j % page_size) * tok_s + kh * head_s;                         \
+                if (j + AHEAD <= pos) PREFETCH_KEY(T, j + AHEAD);                            \
                 __m256 k[MAX_DIM / 8];                                                       \
                 for (int c = 0; c < nd; c++) k[c] = load8_##T(kp + 8 * c);                   \
                 for (int64_t g = 0; g < group; g++) {                                        \
