@@ -46,8 +46,10 @@ DECODE_SLOWDOWN = 2.0
 # (at least MIN_ALONE_CHUNK tokens), not whole budgets: whoever arrives waits for the step in
 # flight, and a 512-token chunk deep in a long prompt is 1.2-1.8 s on 2 CPU cores. Smaller
 # chunks cost the prompt little there (a 3,000-token prompt: 7.9 s in 512s, 7.1-7.5 s in
-# 256s, 8.2-8.4 s in 128s, SmolLM2 bf16).
-ALONE_STRETCH = 3.0
+# 256s, 8.2-8.4 s in 128s, SmolLM2 bf16). At three times the target a chat arriving behind
+# a 3,000-token prompt waited 0.51 s for its first token; at 1.5 times 0.28-0.31 s, the long
+# prompt's own time within its noise (bench/long_prefill.py, Zen 5, bf16, 100 ms target).
+ALONE_STRETCH = 1.5
 MIN_ALONE_CHUNK = 128
 # While prompts wait to be admitted, a step beside decodes may take the target, or this many
 # times the decodes' own step where that is longer: a large batch's decode step alone can

@@ -23,9 +23,12 @@ not linear in the step's tokens, and a fit over a 3,000-token prompt's chunks pu
 priced as if the decodes alone took three times their time, and the chat beside the prompt
 streamed at a third of its speed. So what the decodes cost alone is read off the steps that
 were decodes alone (a robust line over their decode counts), and what a prompt token costs is
-the median marginal cost of the recent steps that carried prompt tokens: what each of those
-steps took beyond its decodes' own step, per prompt token. Both follow the context of the
-moment. The joint fit stands in for either while its steps have not been seen. Until one
+the median marginal cost of the newest steps of the same kind that carried prompt tokens
+(beside decodes, or alone): what each of those steps took beyond its decodes' own step, per
+prompt token. Both follow the context of the moment, and the kinds differ: a held step's few
+tokens deep in a prompt cost ~1 ms each where the prompt's own first chunks cost ~0.5 ms
+(SmolLM2 bf16, Zen 5), and a price from those chunks let the steps beside a chat take 4x its
+own step, not 2x. The joint fit stands in for either while its steps have not been seen. Until one
 of the two ways knows both, the scheduler does not cap (``known``): a fresh engine knows after
 three decode-only steps and one with prompt tokens (a chat), not only after three of each.
 """
@@ -38,6 +41,10 @@ from collections import deque
 
 RECENT = 48  # steps of every kind in the fit
 ANCHORS = 8  # the newest steps with prompt tokens, and without, kept however old
+# the newest steps of one kind (prompt tokens beside decodes, or alone) that price a prompt
+# token: few, because a long prompt's token grows dearer with every chunk (its attention
+# reads the whole context), and a median of eight lagged four chunks behind
+PRICE_STEPS = 4
 MIN_STEPS = 3  # steps with prompt tokens, and with decodes, before there is an estimate
 OUTLIER_MADS = 3.0  # a step further than this many median deviations from the fit is dropped
 # features scaled to comparable sizes (decodes, prompt tokens of a step) for the solve
@@ -56,6 +63,9 @@ class StepCost:
         self._with_prompt: deque[Step] = deque(maxlen=ANCHORS)
         self._without_prompt: deque[Step] = deque(maxlen=ANCHORS)
         self._decodes_only: deque[Step] = deque(maxlen=RECENT)
+        self._prompt_beside: deque[Step] = deque(maxlen=PRICE_STEPS)  # and decodes
+        self._prompt_alone: deque[Step] = deque(maxlen=PRICE_STEPS)
+        self._last_price: dict[bool, float] = {}  # by beside_decodes
         self._line: tuple[float, float] | None = None
         self._coef: tuple[float, float, float] | None = None
         self._stale = False
@@ -69,6 +79,8 @@ class StepCost:
         (self._with_prompt if prompt_tokens else self._without_prompt).append(step)
         if decodes and not prompt_tokens:
             self._decodes_only.append(step)
+        if prompt_tokens:
+            (self._prompt_beside if decodes else self._prompt_alone).append(step)
         self._stale = True
 
     def estimate(self) -> tuple[float, float, float] | None:
@@ -89,18 +101,29 @@ class StepCost:
             return None
         return coef[0] + coef[1] * decodes
 
-    def per_prompt_token(self) -> float | None:
-        """Seconds a prompt token adds to a step: the median over the recent steps with
-        prompt tokens of what each took beyond its decodes alone, per prompt token (the
-        joint fit's share while no decode-only step was seen); None while unknown."""
+    def per_prompt_token(self, beside_decodes: bool = True) -> float | None:
+        """Seconds a prompt token adds to a step beside decodes (or, ``beside_decodes``
+        false, with none): the median over the newest such steps of what each took beyond
+        its decodes alone, per prompt token; over the steps of the other kind while there
+        are none of this one; the last price above zero where the newest steps read as free
+        (a few floor tokens beside a step's base are below the noise, and a free token
+        would open the whole budget); the joint fit's share while no decode-only step was
+        seen; None while unknown."""
         coef = self.estimate()
         if self._line is not None and self._with_prompt:
             base, per_decode = self._line
-            return statistics.median(
+            same, other = (self._prompt_beside, self._prompt_alone)[:: 1 if beside_decodes else -1]
+            price = statistics.median(
                 max(seconds - base - per_decode * decodes, 0.0) / tokens
-                for decodes, tokens, seconds in self._with_prompt
+                for decodes, tokens, seconds in (same or other)
             )
-        return None if coef is None else coef[2]
+        elif coef is not None:
+            price = coef[2]
+        else:
+            return None
+        if price > 0:
+            self._last_price[beside_decodes] = price
+        return self._last_price.get(beside_decodes, self._last_price.get(not beside_decodes, price))
 
     def known(self) -> bool:
         """Whether both what the decodes cost alone and what a prompt token adds are known:
@@ -120,7 +143,8 @@ class StepCost:
         ``stretch`` times the decodes' own step where that is longer, but (``slowdown``) not
         past that many times the decodes' own step; between ``floor`` (a long prompt always
         moves on) and ``ceiling``; None while unknown."""
-        decodes_alone, per_token = self.decodes_alone(decodes), self.per_prompt_token()
+        decodes_alone = self.decodes_alone(decodes)
+        per_token = self.per_prompt_token(beside_decodes=decodes > 0)
         if decodes_alone is None or per_token is None:
             return None
         if per_token <= 0:

@@ -173,13 +173,37 @@ def test_held_steps_are_priced_from_measured_decode_steps_not_the_fits_intercept
     assert deep(by_fit) > 1.25 * DECODE_SLOWDOWN * decode_step
 
 
+def test_steps_beside_decodes_and_steps_alone_are_priced_apart_and_a_free_reading_keeps_the_last_price():
+    """A held step's few tokens deep in a prompt cost more each than the prompt's own chunks
+    alone: each kind is priced from its own newest steps. Floor steps that read as free (their
+    tokens below the noise of the step's base) keep the last price: a free token would open
+    the whole budget beside a stream."""
+    cost = StepCost()
+    for decodes in (1, 2, 1, 2, 1, 2):  # chats alone: 22 ms a step and 3 ms a decode
+        cost.observe(decodes, 0, 0.022 + 0.003 * decodes)
+    for tokens in (512, 384, 256, 256):
+        cost.observe(0, tokens, 0.022 + tokens * 0.0005)  # a prompt alone: 0.5 ms a token
+    assert cost.per_prompt_token(beside_decodes=False) == pytest.approx(0.0005, rel=0.05)
+    # no step beside decodes seen yet: the other kind's price stands in
+    assert cost.per_prompt_token(beside_decodes=True) == pytest.approx(0.0005, rel=0.05)
+    for _ in range(4):
+        cost.observe(1, 9, 0.025 + 9 * 0.001)  # beside the chat: 1 ms a token
+    assert cost.per_prompt_token(beside_decodes=True) == pytest.approx(0.001)
+    assert cost.per_prompt_token(beside_decodes=False) == pytest.approx(0.0005, rel=0.05)
+    for _ in range(4):
+        cost.observe(1, 9, 0.024)  # below the chat's own step: noise
+    assert cost.per_prompt_token(beside_decodes=True) == pytest.approx(0.001)
+    assert cost.prompt_budget(1, 0.001, prompt_floor(1), 512) == prompt_floor(1)
+
+
 def test_a_prompt_alone_runs_in_steps_of_a_few_targets_and_without_a_target_whole():
-    held = scheduler(target_s=0.100)
+    held = scheduler(target_s=0.200)
     long = seq(3000, "long")
     held.add(long)
-    # ALONE_STRETCH x 100 ms, less the 30 ms base, at 1 ms a token: from its first step
+    # ALONE_STRETCH x 200 ms, less the 30 ms base, at 1 ms a token: from its first step
     # (admitted from the queue, it cannot finish in one) and while it runs alone
-    want = (ALONE_STRETCH * 0.100 - BASE) / PER_TOKEN
+    want = (ALONE_STRETCH * 0.200 - BASE) / PER_TOKEN
+    assert want > MIN_ALONE_CHUNK  # the stretch binds, not the floor
     first = held.schedule().prefills[0].num_new
     assert first == pytest.approx(want, abs=4)
     long.num_computed += first
