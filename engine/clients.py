@@ -17,6 +17,7 @@ from trae_groups.engine import chat
 from trae_groups.engine.encoder_worker import EncoderWorker
 from trae_groups.engine.errors import EngineStopped, RequestError
 from trae_groups.engine.llm_worker import LLMWorker
+from trae_groups.engine.loop_post import wrap_future
 from trae_groups.engine.outputs import OutputStream
 from trae_groups.engine.protocol import (
     EncodeRequest,
@@ -46,7 +47,7 @@ class LocalEncoder:
             priority=request.priority,
             options=request.options,
         )
-        return await asyncio.wrap_future(future)
+        return await wrap_future(future)  # one wake-up of the loop per batch
 
     def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerationChunk, None]:
         raise RequestError("model", f"{self.name!r} is a {self.task} model: it cannot generate")

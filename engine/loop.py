@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from trae_groups.engine.loop_post import batched
 from trae_groups.engine.memory import IDLE_TRIM_S, trim_heap
 from trae_groups.engine.worker import Worker
 
@@ -141,7 +142,8 @@ class EngineLoop:
         if worker is None:
             return False
         started = time.perf_counter()
-        worker.step()
+        with batched():  # the step's outputs wake each event loop once
+            worker.step()
         self.busy_seconds += time.perf_counter() - started
         self.steps += 1
         return True

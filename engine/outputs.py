@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from trae_groups.engine.detokenizer import find_stop, update_text
+from trae_groups.engine.loop_post import loop_post
 from trae_groups.engine.protocol import TokenLogprob
 from trae_groups.engine.sequence import RequestOutput, Sequence
 
@@ -147,14 +148,14 @@ class OutputStream:
         self, abort: Callable[[str], None], loop: asyncio.AbstractEventLoop, sequences: int = 1
     ):
         self._abort = abort
-        self._loop = loop
+        self._post = loop_post(loop).post  # one wake-up of the loop per step, not per output
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.request_id = ""
         self.finished = False
         self._running = sequences
 
     def put(self, out: RequestOutput) -> None:  # engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+        self._post(self._queue.put_nowait, out)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
