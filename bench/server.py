@@ -8,7 +8,7 @@ Server overhead per request = p50 over HTTP − p50 in process (HTTP parsing,
 validation, JSON, the client's own cost), at --clients and at one client; the
 difference of the means is printed too, because in a closed loop the two latency
 distributions differ in shape (in process, all clients move in lock-step). CPU time
-per request is reported for the server process, the client and the in-process run:
+per request is reported for the server (its front and engine processes), the client and the in-process run:
 on a machine where the engine already keeps every core busy, each extra CPU
 millisecond of HTTP work per request shows up, multiplied by the queue, in a
 closed-loop p50. Medians of --runs.
@@ -61,12 +61,18 @@ INPUTS = {"text": "hello where is my order to paris"}
 
 
 def process_cpu(pid: int) -> float | None:
-    """CPU seconds (user + system) a process has used; None off Linux."""
+    """CPU seconds (user + system) a process and its children have used (``trae serve``
+    runs its engine in a child process); None off Linux."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return total + sum(process_cpu(int(child)) or 0.0 for child in children)
 
 
 def measured(run: Coroutine[Any, Any, dict], server_pid: int | None = None) -> dict:
