@@ -8,7 +8,7 @@ process tree, from /proc) before the burst, at its peak and 5 s after it. 127.0.
 every loop bounded. Prints, never asserts.
 
     trae demo --no-example --port 8011 &          # or any trae serve
-    .venv/bin/python bench/large_bodies.py --port 8011 --route graph --graph demo --count 60
+    .venv/bin/python bench/large_bodies.py --port 8011 --route graph --graph support --count 60
     .venv/bin/python bench/large_bodies.py --port 8011 --route chat --model dialog --count 60
 """
 
@@ -82,11 +82,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--route", choices=["graph", "chat"], default="graph")
-    parser.add_argument("--graph", default="demo", help="graph name (--route graph)")
+    parser.add_argument("--graph", default="support", help="graph name (--route graph; the demo's)")
     parser.add_argument("--input", default="text", help="the graph's text input")
     parser.add_argument("--model", default="dialog", help="model id (--route chat)")
     parser.add_argument("--count", type=int, default=60)
-    parser.add_argument("--mb", type=float, default=1.0)
+    # 0.9: a body of 1 MiB of text and its JSON would pass the server's max_body_bytes (413)
+    parser.add_argument("--mb", type=float, default=0.9, help="MiB of text per body")
     parser.add_argument("--timeout", type=float, default=120.0)
     args = parser.parse_args()
     base = f"http://127.0.0.1:{args.port}"
