@@ -30,7 +30,7 @@ class LoopPost:
     """Calls queued for one event loop, drained on it in order."""
 
     def __init__(self, loop: Any):
-        self._loop = loop
+        self._loop_ref = weakref.ref(loop)  # not the loop itself: the registry's key
         self._lock = threading.Lock()
         self._queued: list[tuple[Callable[..., Any], tuple]] = []
 
@@ -49,8 +49,11 @@ class LoopPost:
         self._wake()
 
     def _wake(self) -> None:
+        loop = self._loop_ref()
         try:
-            self._loop.call_soon_threadsafe(self._drain)
+            if loop is None:
+                raise RuntimeError("the event loop is gone")
+            loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the loop is closed
             with self._lock:
                 self._queued.clear()
@@ -62,7 +65,7 @@ class LoopPost:
             try:
                 fn(*args)
             except Exception as exc:  # one caller's failure is its own, as with call_soon
-                self._loop.call_exception_handler(
+                self._loop_ref().call_exception_handler(
                     {"message": f"exception in {fn!r} posted from the engine", "exception": exc}
                 )
 

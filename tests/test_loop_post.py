@@ -145,3 +145,16 @@ def test_a_real_engine_step_wakes_the_loop_once_for_all_its_streams(tmp_path, mo
 def test_loop_post_is_one_per_loop():
     loop = CountingLoop()
     assert loop_post.loop_post(loop) is loop_post.loop_post(loop)
+
+
+def test_a_loop_that_is_gone_leaves_no_loop_post_behind():
+    """The registry must not keep loops alive: a script calling asyncio.run per request
+    would hold every closed loop."""
+    import gc
+
+    loop = CountingLoop()
+    loop_post.loop_post(loop)
+    before = len(loop_post._posts)
+    del loop
+    gc.collect()
+    assert len(loop_post._posts) == before - 1
