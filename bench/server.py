@@ -8,8 +8,8 @@ Server overhead per request = p50 over HTTP − p50 in process (HTTP parsing,
 validation, JSON, the client's own cost), at --clients and at one client; the
 difference of the means is printed too, because in a closed loop the two latency
 distributions differ in shape (in process, all clients move in lock-step). CPU time
-per request is reported for the server (its front and engine processes), the client and the in-process run:
-on a machine where the engine already keeps every core busy, each extra CPU
+per request is reported for the server (its front and engine processes), the client and
+the in-process run: on a machine where the engine already keeps every core busy, each extra CPU
 millisecond of HTTP work per request shows up, multiplied by the queue, in a
 closed-loop p50. Medians of --runs.
 

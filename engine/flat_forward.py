@@ -245,11 +245,11 @@ class FlatForward(nn.Module):
         eps = attn.q_norm.variance_epsilon
         t, heads, d = qk.shape
         if torch.compiler.is_compiling():  # traced into the graph, no cache
-            weight = torch.cat((q_w.expand(self.heads, -1), k_w.expand(self.kv_heads, -1)))
+            weight = _side_by_side(q_w, k_w, self.heads, self.kv_heads)
             return torch.rms_norm(qk, (d,), None, eps) * weight
         key = (q_w.data_ptr(), k_w.data_ptr(), q_w.dtype)
         if layer.head_norm is None or layer.head_norm[0] != key:  # built once per weights
-            weight = torch.cat((q_w.expand(self.heads, -1), k_w.expand(self.kv_heads, -1)))
+            weight = _side_by_side(q_w, k_w, self.heads, self.kv_heads)
             layer.head_norm = (key, weight, torch.ones_like(q_w))
         _, weight, ones = layer.head_norm
         if self.zen_norms and qk.numel():
@@ -263,6 +263,11 @@ class FlatForward(nn.Module):
             _slice_updates(mlp, ("gate_proj", "up_proj"), x, gate_up)
         n = layer.intermediate
         return mlp.down_proj(F.silu(gate_up[:, :n]).mul_(gate_up[:, n:]))
+
+
+def _side_by_side(q_w: torch.Tensor, k_w: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """[heads + kv_heads, dim]: q's norm weight for each query head, then k's for each key head."""
+    return torch.cat((q_w.expand(heads, -1), k_w.expand(kv_heads, -1)))
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
