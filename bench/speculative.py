@@ -29,9 +29,8 @@ compile runs beside the measurement); a verifying step always runs eagerly.
 
 For each workload and batch size: generated tokens per second with and without, their ratio,
 the acceptance rate and tokens per verifying step, and whether every output is the same token
-for token (greedy; how many of the outputs are). In bfloat16 a step that verifies (a short
-chunk) rounds differently from a one-token decode step, so near-ties can flip there; float32
-is the exactness check (``--dtype float32``). There is no smaller model of SmolLM2's tokenizer
+for token (greedy; how many of the outputs are): in bfloat16 as in float32, since a one-row
+step runs as two rows (engine/flat_forward.py). There is no smaller model of SmolLM2's tokenizer
 here for ``draft``: it is not measured. Prints, never asserts: absolute rates drift on shared
 machines; compare ratios, and read the load average printed with them.
 """

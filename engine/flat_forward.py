@@ -200,6 +200,18 @@ class FlatForward(nn.Module):
         scale)`` stores the new K/V and returns attention [T, heads, dim]: the eager
         backend's (``paged_attend``) or a compiled step's."""
         model, base = self._refs
+        # A step of one row (a batch-1 decode) runs as two copies of it: zentorch's kernels
+        # take a matrix-vector path for one row whose sums round apart from their matrix path
+        # (1 of 3,072 gate/up outputs, 7 of 49,152 logits on SmolLM2, bf16 and float32, Zen 4),
+        # and from two rows on each row gets the same bits at any count. So a sequence decoded
+        # alone, in a batch or verifying proposals picks the same greedy tokens; two rows cost
+        # what one does there (memory-bound; tests/test_batch_invariance.py). LoRA rows stay
+        # as they are: their adapters are indexed by row.
+        padded = input_ids.shape[0] == 1 and not lora_active
+        if padded:
+            input_ids, positions = input_ids.expand(2), positions.expand(2)
+            sample_rows = None if sample_rows is None or sample_rows.numel() else sample_rows
+        self.padded = padded
         hidden = base.embed_tokens(input_ids)
         cos, sin = base.rotary_emb(hidden, positions[None])
         cos, sin = cos[0, :, None, :], _signed_sin(sin[0, :, None, :])
@@ -219,7 +231,8 @@ class FlatForward(nn.Module):
             rows = residual.add_(hidden)
         else:
             rows = residual.index_select(0, sample_rows).add_(hidden.index_select(0, sample_rows))
-        return model.lm_head(rms_norm(rows, base.norm))
+        logits = model.lm_head(rms_norm(rows, base.norm))
+        return logits[:1] if padded else logits
 
     def _attention(self, i, layer: _Layer, qkv, cos, sin, attend: Attend, lora_active, x):
         attn = layer.block.self_attn
@@ -232,6 +245,9 @@ class FlatForward(nn.Module):
             qk = self._head_norms(layer, attn, qk)
         qk = _rotate(qk, cos, sin)  # q and k side by side in the fused output: one rotation
         q, k = qk[:, : self.heads], qk[:, self.heads :]
+        if self.padded:  # the copy row is no token: it neither stores K/V nor attends
+            out = attend(i, q[:1], k[:1], v[:1], layer.window, self.scale)
+            return attn.o_proj(out.reshape(1, layer.q_size).expand(2, -1).contiguous())
         out = attend(i, q, k, v, layer.window, self.scale)
         return attn.o_proj(out.reshape(t, layer.q_size))
 
