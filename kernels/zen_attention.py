@@ -28,6 +28,15 @@ import torch
 
 from trae_groups.kernels.thread_switch import ThreadSwitch
 
+# zentorch 2.13's ops leak every string argument they are called with: torch 2.13's stable-ABI
+# conversion (compiled into the extension) keeps a heap copy of each ``std::string`` it makes
+# (pytorch/pytorch#190493 fixed it after 2.13). That is 32 bytes a string, plus its characters
+# past 15: a linear's default op name (31 characters, for zentorch's logs) and "none" leaked 3
+# allocations, ~140 bytes a call, ~23 kB a SmolLM2 decode step with the norms. A one-letter
+# name keeps the characters inline: 2 allocations a linear, 1 a norm. What is left is counted
+# in docs/memory.md; no argument avoids it short of not calling zentorch.
+ZEN_OP_NAME = "z"
+
 ENV_SWITCH = "TRAE_ZEN_ATTENTION"  # "0": never use zentorch's SDPA
 _switch = ThreadSwitch()
 turned_off = _switch.turned_off  # this thread runs torch's kernel meanwhile (tests)
@@ -74,4 +83,6 @@ def sdpa(
 ) -> torch.Tensor:
     """q [B, heads, n_q, dim], k/v [B, kv_heads, n_k, dim] (views are fine); ``mask``
     additive [B or 1, 1, n_q, n_k] in q's dtype, ``causal`` top-left. [B, heads, n_q, dim]."""
-    return torch.ops.zentorch.zentorch_sdpa(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)[0]
+    return torch.ops.zentorch.zentorch_sdpa(
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale, zentorch_op_name=ZEN_OP_NAME
+    )[0]
