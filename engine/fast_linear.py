@@ -22,6 +22,7 @@ from torch import nn
 
 from trae_groups.engine.config import LINEAR_LIBRARIES
 from trae_groups.engine.hardware import cpu_vendor, detect
+from trae_groups.kernels import zen_calls
 from trae_groups.kernels.zen_attention import ZEN_OP_NAME
 
 __all__ = [
@@ -214,10 +215,17 @@ class PackedLinear(nn.Module):
         if self.library == "zentorch":
             if x.numel() == 0:  # the kernel logs an error on an empty input
                 return x.new_empty((*x.shape[:-1], self.out_features))
+            if not compiling:  # its C shim: the dispatcher op leaks (kernels/zen_calls.py)
+                out = zen_calls.linear(x, self.packed_weight, self.bias)
+                if out is not None:
+                    return out
             return torch.ops.zentorch.zentorch_linear_unary(
-                x, self.packed_weight, self.bias, is_weight_prepacked=True,
+                x,
+                self.packed_weight,
+                self.bias,
+                is_weight_prepacked=True,
                 zentorch_op_name=ZEN_OP_NAME,
-            )  # fmt: skip  # traced as is when compiling: lower_packed_linear loads its meta functions
+            )  # fmt: skip  (traced as is when compiling: lower_packed_linear loads its meta)
         if compiling:  # see lower_packed_linear
             return torch.ops.trae.packed_linear(x, self.packed_weight, self.bias, self.out_features)
         if self.plain_weight is not None and x.numel() >= UPCAST_ROWS * self.in_features:

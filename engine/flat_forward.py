@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trae_groups.kernels import AttentionBackend, PagedBatch
+from trae_groups.kernels import AttentionBackend, PagedBatch, zen_calls
 from trae_groups.kernels.zen_attention import ZEN_OP_NAME
 
 # the model_type values whose layers this forward implements
@@ -270,10 +270,13 @@ class FlatForward(nn.Module):
             layer.head_norm = (key, weight, torch.ones_like(q_w))
         _, weight, ones = layer.head_norm
         if self.zen_norms and qk.numel():
-            flat = torch.ops.zentorch.zentorch_rms_norm(
-                qk.reshape(t * heads, d), ones, eps, zentorch_op_name=ZEN_OP_NAME
-            )
-            return flat.view(t, heads, d).mul_(weight)
+            flat = qk.reshape(t * heads, d)
+            normed = zen_calls.rms_norm(flat, ones, eps)
+            if normed is None:
+                normed = torch.ops.zentorch.zentorch_rms_norm(
+                    flat, ones, eps, zentorch_op_name=ZEN_OP_NAME
+                )
+            return normed.view(t, heads, d).mul_(weight)
         return torch.rms_norm(qk, (d,), None, eps).mul_(weight)
 
     def _mlp(self, layer: _Layer, gate_up, lora_active, x):
@@ -302,6 +305,9 @@ def _add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module)
 def _zen_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     if x.numel() == 0:  # a step whose prompt chunk samples nothing; the kernel logs an error
         return torch.empty_like(x)
+    out = zen_calls.rms_norm(x, norm.weight, norm.variance_epsilon)
+    if out is not None:
+        return out
     return torch.ops.zentorch.zentorch_rms_norm(
         x, norm.weight, norm.variance_epsilon, zentorch_op_name=ZEN_OP_NAME
     )
@@ -310,9 +316,10 @@ def _zen_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 def _zen_add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module):
     """``_add_rms_norm`` in one zentorch kernel: the sum goes to ``residual``, the norm of it
     to ``hidden``'s storage (the sublayer's output, not read again)."""
-    torch.ops.zentorch.zentorch_add_rms_norm_(
-        hidden, norm.weight, residual, norm.variance_epsilon, zentorch_op_name=ZEN_OP_NAME
-    )
+    if not zen_calls.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon):
+        torch.ops.zentorch.zentorch_add_rms_norm_(
+            hidden, norm.weight, residual, norm.variance_epsilon, zentorch_op_name=ZEN_OP_NAME
+        )
     return hidden
 
 

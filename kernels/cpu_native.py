@@ -46,7 +46,7 @@ _switch = ThreadSwitch()
 turned_off = _switch.turned_off  # this thread runs the torch reference meanwhile (tests)
 
 
-def _compiler() -> str | None:
+def compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
@@ -63,21 +63,21 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(cc: str) -> Path:
-    """The shared object for this source, compiler and CPU, built once into the cache."""
+def build(cc: str, source: Path = SOURCE) -> Path:
+    """The shared object for ``source``, compiler and CPU, built once into the cache."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode() + _cpu_flags().encode()
+        source.read_bytes() + version.encode() + " ".join(FLAGS).encode() + _cpu_flags().encode()
     ).hexdigest()[:20]
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "trae-groups" / "kernels")
-    target = cache / f"cpu_paged-{key}.so"
+    target = cache / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         built = Path(tmp) / target.name
         done = subprocess.run(
-            [cc, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True
+            [cc, *FLAGS, "-o", str(built), str(source)], capture_output=True, text=True
         )
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-400:]}")
@@ -112,10 +112,10 @@ def library() -> ctypes.CDLL | None:
         try:
             if os.environ.get(ENV_SWITCH) == "0":
                 raise RuntimeError(f"{ENV_SWITCH}=0")
-            cc = _compiler()
+            cc = compiler()
             if cc is None:
                 raise RuntimeError("no C compiler (cc, gcc or clang)")
-            lib = ctypes.CDLL(str(_build(cc)))
+            lib = ctypes.CDLL(str(build(cc)))
             _declare(lib)
             group, dim = _i64(), _i64()
             lib.limits(ctypes.byref(group), ctypes.byref(dim))

@@ -28,13 +28,11 @@ import torch
 
 from trae_groups.kernels.thread_switch import ThreadSwitch
 
-# zentorch 2.13's ops leak every string argument they are called with: torch 2.13's stable-ABI
-# conversion (compiled into the extension) keeps a heap copy of each ``std::string`` it makes
-# (pytorch/pytorch#190493 fixed it after 2.13). That is 32 bytes a string, plus its characters
-# past 15: a linear's default op name (31 characters, for zentorch's logs) and "none" leaked 3
-# allocations, ~140 bytes a call, ~23 kB a SmolLM2 decode step with the norms. A one-letter
-# name keeps the characters inline: 2 allocations a linear, 1 a norm. What is left is counted
-# in docs/memory.md; no argument avoids it short of not calling zentorch.
+# zentorch 2.13's dispatcher ops leak every string argument they are called with (torch
+# 2.13's stable ABI keeps a heap copy of each ``std::string`` it converts, pytorch#190493):
+# 32 bytes a string, plus its characters past 15. The linear and norms go through zentorch's C
+# shims instead (kernels/zen_calls.py); what still takes the dispatcher (this SDPA, compiled
+# graphs, the shims' fallbacks) passes a one-letter op name, which keeps the characters inline.
 ZEN_OP_NAME = "z"
 
 ENV_SWITCH = "TRAE_ZEN_ATTENTION"  # "0": never use zentorch's SDPA

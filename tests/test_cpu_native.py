@@ -14,7 +14,7 @@ from test_kernels import make_case
 
 from trae_groups.kernels import cpu_native, naive_attention, paged_attention, store_kv
 
-pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(cpu_native.compiler() is None, reason="no C compiler")
 
 
 def _strided(cache: torch.Tensor) -> torch.Tensor:

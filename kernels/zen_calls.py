@@ -1,0 +1,152 @@
+"""zentorch's linear and fused add-and-norm through its C shims (``zen_calls.c``), not torch's
+dispatcher: zentorch 2.13's dispatcher ops leak each string argument (~100 bytes a call, the
+C file says why). Built on first use like ``cpu_native``'s kernels; where it cannot be had (no
+C compiler, no zentorch, ``TRAE_ZEN_SHIMS=0``) callers use the dispatcher ops, which compute
+the same bits."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from trae_groups.kernels import cpu_native
+
+log = logging.getLogger("trae_groups.kernels")
+
+SOURCE = Path(__file__).with_name("zen_calls.c")
+ENV_SWITCH = "TRAE_ZEN_SHIMS"  # "0": zentorch's dispatcher ops (they leak) instead
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_dtype_codes: dict[torch.dtype, int] = {}
+
+
+def _address(lib: ctypes.CDLL, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), _ptr).value
+
+
+def _load() -> ctypes.CDLL:
+    if os.environ.get(ENV_SWITCH) == "0":
+        raise RuntimeError(f"{ENV_SWITCH}=0")
+    import zentorch  # its ops and shims (engine/fast_linear.py checked that it loads)
+
+    cc = cpu_native.compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang)")
+    zen = ctypes.CDLL(str(Path(zentorch.__file__).with_name("libzentorch.so")))
+    aten = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
+    for name in (
+        "aoti_torch_device_type_cpu",
+        "aoti_torch_dtype_float32",
+        "aoti_torch_dtype_bfloat16",
+    ):
+        getattr(aten, name).restype = _i32
+    lib = ctypes.CDLL(str(cpu_native.build(cc, SOURCE)))
+    lib.zen_bind.argtypes = [_ptr] * 6 + [_i32]
+    lib.zen_bind.restype = None
+    lib.zen_bind(
+        _address(aten, "aoti_torch_create_tensor_from_blob"),
+        _address(aten, "aoti_torch_delete_tensor_object"),
+        _address(aten, "aoti_torch_get_data_ptr"),
+        _address(zen, "aoti_torch_cpu_zentorch_linear_unary_out"),
+        _address(zen, "aoti_torch_cpu_zentorch_add_rms_norm_"),
+        _address(zen, "aoti_torch_cpu_zentorch_rms_norm"),
+        aten.aoti_torch_device_type_cpu(),
+    )
+    lib.zen_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _ptr, _ptr]
+    lib.zen_linear.restype = _i32
+    lib.zen_add_rms_norm.argtypes = [_ptr, _ptr, _i64, _i64, _i32, _ptr, ctypes.c_double]
+    lib.zen_add_rms_norm.restype = _i32
+    lib.zen_rms_norm.argtypes = [_ptr, _ptr, _i64, _i64, _i32, _i64, _ptr, ctypes.c_double]
+    lib.zen_rms_norm.restype = _i32
+    _dtype_codes[torch.float32] = aten.aoti_torch_dtype_float32()
+    _dtype_codes[torch.bfloat16] = aten.aoti_torch_dtype_bfloat16()
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded shims' caller, or None where it cannot be had (the reason logged once)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            try:
+                _lib = _load()
+            except (
+                ImportError,
+                OSError,
+                AttributeError,
+                RuntimeError,
+                subprocess.SubprocessError,
+            ) as exc:
+                log.info("zentorch called through torch's dispatcher (it leaks per call): %s", exc)
+            _tried = True
+    return _lib
+
+
+def _matrix(t: torch.Tensor) -> bool:
+    return t.dim() == 2 and t.stride(1) == 1 and t.dtype in _dtype_codes and t.device.type == "cpu"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``x [rows, in] @ weight.T + bias`` with zentorch's prepacked ``weight`` [out, in], or
+    None where the shims do not take these (the caller uses the dispatcher op)."""
+    lib = library()
+    if lib is None or not _matrix(x) or not weight.is_contiguous() or x.shape[0] == 0:
+        return None
+    if bias is not None and not bias.is_contiguous():
+        return None
+    rows, n = x.shape[0], weight.shape[0]
+    out = torch.empty((rows, n), dtype=x.dtype)
+    err = lib.zen_linear(
+        x.data_ptr(), rows, x.shape[1], x.stride(0), out.data_ptr(), n, _dtype_codes[x.dtype],
+        weight.data_ptr(), None if bias is None else bias.data_ptr(),
+    )  # fmt: skip
+    return out if err == 0 else None
+
+
+def add_rms_norm(
+    hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> bool:
+    """``residual += hidden``, then ``hidden = rms_norm(residual) * weight`` in place; False
+    where the shims do not take these (nothing written: the caller uses the dispatcher op).
+    A failure inside zentorch raises: the sum may be half written by then."""
+    lib = library()
+    if lib is None or not (_matrix(hidden) and hidden.is_contiguous() and residual.is_contiguous()):
+        return False
+    if residual.shape != hidden.shape or not weight.is_contiguous() or hidden.shape[0] == 0:
+        return False
+    rows, dim = hidden.shape
+    code = _dtype_codes[hidden.dtype]
+    err = lib.zen_add_rms_norm(
+        hidden.data_ptr(), residual.data_ptr(), rows, dim, code, weight.data_ptr(), eps
+    )
+    if err:
+        raise RuntimeError(f"zentorch_add_rms_norm_ failed on [{rows}, {dim}] {hidden.dtype}")
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """``rms_norm(x) * weight`` for a packed ``x`` [rows, dim], or None where the shims do
+    not take it (the caller uses the dispatcher op)."""
+    lib = library()
+    if lib is None or not (_matrix(x) and x.is_contiguous() and weight.is_contiguous()):
+        return None
+    if x.shape[0] == 0:
+        return None
+    out = torch.empty_like(x)
+    rows, dim = x.shape
+    err = lib.zen_rms_norm(
+        x.data_ptr(), out.data_ptr(), rows, dim, _dtype_codes[x.dtype], x.element_size(),
+        weight.data_ptr(), eps,
+    )  # fmt: skip
+    return out if err == 0 else None
