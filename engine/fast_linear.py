@@ -225,7 +225,7 @@ class PackedLinear(nn.Module):
                 self.bias,
                 is_weight_prepacked=True,
                 zentorch_op_name=ZEN_OP_NAME,
-            )  # fmt: skip  (traced as is when compiling: lower_packed_linear loads its meta)
+            )  # traced as is when compiling: lower_packed_linear loads its meta functions
         if compiling:  # see lower_packed_linear
             return torch.ops.trae.packed_linear(x, self.packed_weight, self.bias, self.out_features)
         if self.plain_weight is not None and x.numel() >= UPCAST_ROWS * self.in_features:

@@ -98,12 +98,18 @@ def _matrix(t: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """``x [rows, in] @ weight.T + bias`` with zentorch's prepacked ``weight`` [out, in], or
-    None where the shims do not take these (the caller uses the dispatcher op)."""
+    """``x [..., in] @ weight.T + bias`` with zentorch's prepacked ``weight`` [out, in], or
+    None where the shims do not take these (the caller uses the dispatcher op). Rows may be
+    strided in a matrix; more dimensions must be packed (transformers' [1, T, in])."""
     lib = library()
-    if lib is None or not _matrix(x) or not weight.is_contiguous() or x.shape[0] == 0:
+    if lib is None or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous()):
         return None
-    if bias is not None and not bias.is_contiguous():
+    lead = x.shape[:-1]
+    if x.dim() != 2:
+        if not x.is_contiguous():
+            return None
+        x = x.view(-1, x.shape[-1])
+    if not _matrix(x) or x.shape[0] == 0:
         return None
     rows, n = x.shape[0], weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype)
@@ -111,7 +117,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         x.data_ptr(), rows, x.shape[1], x.stride(0), out.data_ptr(), n, _dtype_codes[x.dtype],
         weight.data_ptr(), None if bias is None else bias.data_ptr(),
     )  # fmt: skip
-    return out if err == 0 else None
+    if err:
+        return None
+    return out if len(lead) == 1 else out.view(*lead, n)
 
 
 def add_rms_norm(

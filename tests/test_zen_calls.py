@@ -37,6 +37,14 @@ def test_a_linear_gives_the_dispatcher_ops_bits(dtype, rows, bias):
         assert got is not None and torch.equal(got, want)
 
 
+def test_a_batch_of_sequences_is_taken_as_its_rows():
+    weight = zen.zentorch_weight_prepack_for_linear(torch.randn(8, 4))
+    x = torch.randn(1, 5, 4)  # transformers' forward: [batch, tokens, in]
+    want = zen.zentorch_linear_unary(x, weight, None, is_weight_prepacked=True)
+    got = zen_calls.linear(x, weight, None)
+    assert got is not None and got.shape == (1, 5, 8) and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_norms_give_the_dispatcher_ops_bits(dtype):
     torch.manual_seed(0)
@@ -51,7 +59,7 @@ def test_the_norms_give_the_dispatcher_ops_bits(dtype):
 
 def test_what_the_shims_do_not_take_is_left_to_the_dispatcher():
     weight = zen.zentorch_weight_prepack_for_linear(torch.randn(8, 4))
-    assert zen_calls.linear(torch.randn(2, 3, 4), weight, None) is None  # not a matrix
+    assert zen_calls.linear(torch.randn(3, 2, 4).transpose(0, 1), weight, None) is None  # strided
     assert zen_calls.linear(torch.randn(4, 2).t(), weight, None) is None  # columns strided
     assert zen_calls.rms_norm(torch.randn(0, 4), torch.ones(4), 1e-5) is None  # no rows
     assert not zen_calls.add_rms_norm(torch.randn(3, 4), torch.randn(2, 4), torch.ones(4), 1e-5)
