@@ -1,13 +1,13 @@
-/* zentorch's linear and fused add-and-norm, called through its C shims (the functions
+/* zentorch's linear, norm and fused add-and-norm, called through its C shims (the functions
  * AOTInductor's generated code calls) instead of torch's dispatcher.
  *
  * Why: zentorch 2.13 registers its ops through torch 2.13's stable ABI, whose conversion of a
  * string argument keeps a heap copy that is never freed (pytorch/pytorch#190493, fixed after
- * 2.13): every dispatcher call leaked ~100 bytes, ~15 kB a SmolLM2 decode step. The shims take
- * plain C strings, so nothing is converted. Each call wraps the caller's buffers (input,
- * output, weights) as tensor handles that own nothing (torch's C shim, no copy), calls
- * zentorch's out-variant or in-place op and drops the handles: no handle outlives a call, so
- * no weight is kept alive by one.
+ * 2.13): ~140 bytes a linear call and ~90 a norm through the dispatcher, ~23 kB a SmolLM2
+ * decode step (docs/memory.md). The shims take plain C strings, so nothing is converted.
+ * Each call wraps the caller's buffers (input, output, weights) as tensor handles that own
+ * nothing (torch's C shim, no copy), calls zentorch's op and drops the handles: no handle
+ * outlives a call, so no weight is kept alive by one.
  *
  * Built and loaded by kernels/zen_calls.py like cpu_paged.c (no torch headers: the few C
  * functions it calls are bound at run time, by address, from the libraries torch and zentorch

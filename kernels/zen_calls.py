@@ -1,8 +1,8 @@
-"""zentorch's linear and fused add-and-norm through its C shims (``zen_calls.c``), not torch's
-dispatcher: zentorch 2.13's dispatcher ops leak each string argument (~100 bytes a call, the
-C file says why). Built on first use like ``cpu_native``'s kernels; where it cannot be had (no
-C compiler, no zentorch, ``TRAE_ZEN_SHIMS=0``) callers use the dispatcher ops, which compute
-the same bits."""
+"""zentorch's linear, norm and fused add-and-norm through its C shims (``zen_calls.c``), not
+torch's dispatcher: zentorch 2.13's dispatcher ops leak each string argument (~140 bytes a
+linear call, the C file says why). Built on first use like ``cpu_native``'s kernels; where it
+cannot be had (no C compiler, no zentorch, ``TRAE_ZEN_SHIMS=0``) callers use the dispatcher
+ops, which compute the same bits."""
 
 from __future__ import annotations
 
