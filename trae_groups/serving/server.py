@@ -43,6 +43,7 @@ from trae_groups.graphs.routing import RouteError, check_split, parse_split, wit
 from trae_groups.graphs.spec import GraphSpec
 from trae_groups.graphs.types import slug
 from trae_groups.serving import dashboard, graph_api, openai_api
+from trae_groups.serving.accept import Acceptor
 from trae_groups.serving.app_state import AppState, ServerConfig
 from trae_groups.serving.http_errors import (
     HTTPError,
@@ -383,18 +384,38 @@ class TraeServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.on_exit: Callable[[], None] | None = None  # the first signal: tell the workers
+        self.acceptors: list[Acceptor] = []
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
+        """uvicorn's start (the lifespan: models load), then our own accepting on the
+        given sockets (serving/accept.py: all waiting connections each turn)."""
+        await super().startup(None if sockets is None else [])
+        if sockets is not None and not self.should_exit:
+            config, loop = self.config, asyncio.get_running_loop()
+
+            def protocol() -> asyncio.Protocol:  # what uvicorn's own server would make
+                return config.http_protocol_class(  # type: ignore[call-arg]
+                    config=config,
+                    server_state=self.server_state,
+                    app_state=self.lifespan.state,
+                    _loop=loop,
+                )
+
+            self.acceptors = [Acceptor(loop, s, protocol, config.backlog) for s in sockets]
         log.info(
             "HTTP: event loop %s, parser %s",
             type(self._loop).__module__.partition(".")[0],
             getattr(self.config, "http_protocol_class", type(None)).__name__,
         )
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for acceptor in self.acceptors:
+            acceptor.close()
+        await super().shutdown(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self._stopping:
