@@ -70,7 +70,7 @@ def encode(loaded: LoadedModel, texts: Sequence[Text]) -> Encoded:
     pairs = bool(texts) and isinstance(texts[0], tuple)
     if any(isinstance(t, tuple) != pairs for t in texts):
         raise ValueError("a batch is texts or (query, document) pairs, not both")
-    first = [t[0] for t in texts] if pairs else list(texts)
+    first = [t[0] for t in texts] if pairs else [_cut(tok, t, max_length) for t in texts]
     second = [t[1] for t in texts] if pairs else None
     batch = tok(
         first,
@@ -92,6 +92,27 @@ def encode(loaded: LoadedModel, texts: Sequence[Text]) -> Encoded:
         truncated = [len(tok(*_parts(t))["input_ids"]) > max_length for t in texts]
         word_ids, offsets_list = None, None
     return Encoded(list(texts), inputs, truncated, offsets_list, word_ids)
+
+
+#: A text longer than this many characters a kept token is cut before tokenizing
+#: (``_cut``), and CUT_SLACK tokens past the truncation are what its cut edge may change.
+CUT_CHARS_PER_TOKEN = 8
+CUT_SLACK = 16
+
+
+def _cut(tok: Any, text: str, max_length: int) -> str:
+    """The beginning of a long text that tokenizes, up to truncation, as the whole does:
+    the tokenizer reads a 1 MB text in ~0.6 s of both cores only to keep its first 512
+    tokens. A prefix cut anywhere tokenizes like the whole but for its last few tokens,
+    so a prefix with CUT_SLACK tokens past ``max_length`` gives the same ids, offsets and
+    ``truncated``. Text whose prefix holds fewer (very long words) is read whole."""
+    keep = CUT_CHARS_PER_TOKEN * (max_length + CUT_SLACK)
+    if len(text) <= 2 * keep:
+        return text
+    prefix = text[:keep]
+    if len(tok(prefix, add_special_tokens=False)["input_ids"]) >= max_length + CUT_SLACK:
+        return prefix
+    return text
 
 
 def _parts(text: Text) -> tuple[str, ...]:

@@ -170,6 +170,40 @@ def test_text_no_tokenization_could_fit_is_refused_before_tokenizing(llama_dir, 
         assert "characters" not in str(err.value) and "max_prompt_tokens" in str(err.value)
 
 
+def test_text_past_the_limit_is_refused_after_tokenizing_a_prefix(llama_dir, monkeypatch):
+    """Text under the no-tokenizing bound but past the limit: only a probe of its beginning
+    is tokenized (llm_worker.PROBE_CHARS_PER_TOKEN), for the prompt and for a chat's
+    messages; text up to twice the probe is tokenized whole and counted exactly."""
+    from trae_groups.engine import chat, llm_worker
+    from trae_groups.engine.protocol import GenerateRequest
+
+    monkeypatch.setattr(llm_worker, "PROBE_SLACK", 4)  # the tiny model's 40 tokens, not 8k
+    config = EngineConfig(pool_bytes=8 << 20, fast_linear=False, max_prompt_tokens=40)
+    tokenized: list[int] = []
+    real = chat.encode
+    monkeypatch.setattr(
+        chat, "encode", lambda tok, text: tokenized.append(len(text)) or real(tok, text)
+    )
+    with LLMEngine({"m": llama_dir}, config) as eng:
+        worker = eng.llms["m"]
+        probe = llm_worker.PROBE_CHARS_PER_TOKEN * (40 + 4)
+        long = "word " * 200  # 1,000 characters: under the bound, over twice the probe
+        assert len(long) // worker._chars_per_token_bound <= 40 and len(long) > 2 * probe
+        asks = ({"prompt": long}, {"messages": ({"role": "user", "content": long},)})
+        for i, request in enumerate(asks):
+            tokenized.clear()
+            with pytest.raises(RequestError) as err:
+                ask = GenerateRequest(f"r{i}", SamplingParams(max_tokens=2), **request)
+                worker.submit(ask, lambda out: None)
+            assert err.value.field == "prompt" and "more than 40 tokens" in str(err.value)
+            assert tokenized == [probe]  # the probe, never the whole
+        tokenized.clear()
+        with pytest.raises(RequestError) as err:  # within twice the probe: counted exactly
+            eng.generate(["word " * 100], SamplingParams(max_tokens=2))
+        assert "more than" not in str(err.value) and "max_prompt_tokens" in str(err.value)
+        assert tokenized == [500]
+
+
 # -- 3. templates: compiling never evaluates; rendering is bounded ------------------------
 
 

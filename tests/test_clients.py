@@ -43,18 +43,29 @@ def collect(engine, request: GenerateRequest, seen: list) -> list[int]:
         chat.encode = real
 
 
-def test_a_huge_prompt_is_tokenized_off_the_event_loop(engine):
+def test_a_huge_prompt_is_tokenized_off_the_event_loop(engine, monkeypatch):
+    import trae_groups.engine.clients as clients
+
+    # The tiny model reads 256 positions, so a text past OFFLOAD_CHARS is refused before
+    # it is tokenized (llm_worker's bounds): a lower threshold lets one be tokenized.
+    monkeypatch.setattr(clients, "OFFLOAD_CHARS", 100)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    small, big = "hello world", "hello world " * (OFFLOAD_CHARS // 12 + 1)
+    small, big = "hello world", "hello world " * 30
     seen: list = []
     collect(engine, GenerateRequest("small", params, prompt=small), seen)
-    # the tiny model reads 256 positions: the big text fails there, after tokenizing
-    with pytest.raises(RequestError) as err:
-        collect(engine, GenerateRequest("big", params, prompt=big), seen)
-    assert err.value.field == "prompt"
+    assert len(collect(engine, GenerateRequest("big", params, prompt=big), seen)) == 4
     loop_thread, worker_thread = seen
     assert loop_thread is threading.main_thread()  # asyncio.run's loop: this thread
     assert worker_thread is not threading.main_thread()
+
+
+def test_a_text_past_the_limit_is_refused_off_the_event_loop_without_tokenizing(engine):
+    big = "hello world " * (OFFLOAD_CHARS // 12 + 1)
+    seen: list = []
+    with pytest.raises(RequestError) as err:
+        collect(engine, GenerateRequest("big", SamplingParams(max_tokens=4), prompt=big), seen)
+    assert err.value.field == "prompt" and "characters" in str(err.value)
+    assert seen == []
 
 
 def test_both_paths_give_the_same_tokens(engine, monkeypatch):

@@ -191,6 +191,33 @@ class TestBadInput:
         spans = results[0]["spans"]
         assert all(s["end"] <= len(long_text) for s in spans)
 
+    def test_a_long_text_is_cut_before_tokenizing_with_the_same_results(
+        self, folders, store, monkeypatch
+    ):
+        """encoder_runner._cut: a text far past the truncation is tokenized from its
+        beginning only, and every result (labels, scores, spans, truncated) is the one the
+        whole text gives."""
+        from trae_groups.engine import encoder_runner
+
+        long_text = " ".join(["hello world, my order is where?"] * 2000)  # 64k characters
+        for task in ("classify", "tag"):
+            loaded = store.load(folders["clf" if task == "classify" else "tag"], task)
+            runner = EncoderRunner(loaded)
+            read: list[int] = []
+            real = loaded.tokenizer.__class__.__call__
+
+            def spy(tok, text, *args, _real=real, _read=read, **kwargs):
+                _read.extend(len(t) for t in (text if isinstance(text, list) else [text]))
+                return _real(tok, text, *args, **kwargs)
+
+            monkeypatch.setattr(loaded.tokenizer.__class__, "__call__", spy)
+            cut = runner.run([long_text, "hello"])
+            assert max(read) < len(long_text) // 10  # only a prefix was read
+            monkeypatch.setattr(encoder_runner, "CUT_CHARS_PER_TOKEN", 10**9)  # never cut
+            whole = runner.run([long_text, "hello"])
+            monkeypatch.undo()
+            assert cut == whole and cut[0]["truncated"] is True
+
     def test_roberta_position_offset_is_respected(self, store, tmp_path):
         cfg = RobertaConfig(
             vocab_size=128,
