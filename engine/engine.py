@@ -30,6 +30,7 @@ from trae_groups.engine.hardware import detect
 from trae_groups.engine.llm_runner import ATTN_NAME, kv_layout, prepare_forward
 from trae_groups.engine.llm_worker import LLMWorker
 from trae_groups.engine.loop import EngineLoop
+from trae_groups.engine.memory import bound_kernel_caches
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.outputs import OutputStream
 from trae_groups.engine.passing_threads import release_openmp_team
@@ -105,6 +106,7 @@ class LLMEngine:
         sized for the largest of them and ``models``."""
         self.config = config or EngineConfig()
         self.store = store or WeightStore()
+        bound_kernel_caches()
         if self.config.num_threads:
             torch.set_num_threads(self.config.num_threads)
 

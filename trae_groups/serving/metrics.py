@@ -498,9 +498,27 @@ def _encoder_metrics(stats: Mapping[str, ModelStats]) -> Iterable[Metric]:
     yield from (queue, batches, items, drops, padding, sizes)
 
 
+#: A scrape reads rss, anon and file from the kernel's counters; pss needs a walk of every
+#: mapping (engine/memory.py process_memory), done at most this often and reused between.
+PSS_EVERY_S = 15.0
+_pss: list = [-PSS_EVERY_S, None]  # when last read, its value (None: not known here)
+
+
+def _process_memory() -> dict[str, int]:
+    from trae_groups.monitor import process_memory
+
+    now = time.monotonic()
+    if now - _pss[0] >= PSS_EVERY_S:
+        full = process_memory()
+        _pss[:] = [now, full.get("pss")]
+        return full
+    cheap = process_memory(pss=False)
+    return cheap if _pss[1] is None else cheap | {"pss": _pss[1]}
+
+
 def _process_metrics() -> Iterable[Metric]:
     """This process's memory as the MemoryProfiler samples it (trae_groups/monitor.py)."""
-    from trae_groups.monitor import device_memory, process_memory
+    from trae_groups.monitor import device_memory
 
     process = GaugeMetricFamily(
         "trae_process_memory_bytes",
@@ -508,7 +526,7 @@ def _process_metrics() -> Iterable[Metric]:
         "(mapped weight files)",
         labels=["kind"],
     )
-    for kind, value in process_memory().items():
+    for kind, value in _process_memory().items():
         process.add_metric([kind], float(value))
     yield process
     device = GaugeMetricFamily(
