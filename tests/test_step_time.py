@@ -312,11 +312,13 @@ def test_the_engine_learns_its_step_cost_and_holds_prompts_beside_streams(tmp_pa
     finally:
         engine.shutdown()
     beside = [t for d, t in steps if d and t]  # the long prompt's chunks beside the stream
+    # without the target its 1,500 tokens would go in ~6 chunks of the whole budget (256)
     assert len(beside) > 10, steps
-    # the first few, before the cost model had seen decodes, may be whole; then the floor
+    # the first few, before the cost model had seen decodes, may be whole; then the floor.
+    # (Whether they were is a race: on a loaded machine the loop may step the stream alone
+    # before the long prompt arrives, and the model knows decodes from the first chunk.)
     floor = prompt_floor(1)
     assert all(t <= floor for t in beside[3:]), beside
-    assert max(beside[:3]) > floor or len(beside) > 1500 // floor
 
 
 def test_offline_generate_does_not_hold_prompts(tmp_path):
