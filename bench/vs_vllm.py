@@ -344,7 +344,7 @@ class Worker:
             stderr=self._log_file,
             env=env,
             # not the repo root: vLLM inspects the model in a subprocess that imports from its
-            # cwd, and transformers there probes a package "kernels" (ours: kernels/ at the repo root)
+            # cwd (nothing there may shadow a package it imports)
             cwd=str(log.parent),
             text=True,
             start_new_session=True,  # its own process group: a hung one is killed whole

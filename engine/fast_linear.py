@@ -215,7 +215,7 @@ class PackedLinear(nn.Module):
         if self.library == "zentorch":
             if x.numel() == 0:  # the kernel logs an error on an empty input
                 return x.new_empty((*x.shape[:-1], self.out_features))
-            if not compiling:  # its C shim: the dispatcher op leaks (kernels/zen_calls.py)
+            if not compiling:  # its C shim: the dispatcher op leaks (trae_kernels/zen_calls.py)
                 out = zen_calls.linear(x, self.packed_weight, self.bias)
                 if out is not None:
                     return out

@@ -4,7 +4,7 @@ A model's adapters are *registered* by name (their folder is read and checked on
 dropped) and *resident* in one of ``max_loras`` slots when a step needs them. Each targeted
 linear of the base is wrapped in a ``LoraLinear``: it calls its base module as is (plain,
 oneDNN-packed or quantized: whatever it was) and adds, for the step's rows, their adapter's
-low-rank update, grouped by slot (``kernels/lora.py``). Rows of the base and of different
+low-rank update, grouped by slot (``trae_kernels/lora.py``). Rows of the base and of different
 adapters run in one forward; no weight is merged, no forward runs per adapter.
 
 The runner tells the wrapped linears which slot each row uses by setting the step's

@@ -1,4 +1,4 @@
-"""The native CPU kernels (kernels/cpu_paged.c) against the dense oracle and the torch
+"""The native CPU kernels (trae_kernels/cpu_paged.c) against the dense oracle and the torch
 reference: decode attention over pages where they lie (GQA, sliding windows, contexts across
 the kernel's key blocks, a layer's strided view of a page-major pool) and the K/V store."""
 

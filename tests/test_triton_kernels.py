@@ -474,7 +474,7 @@ def test_kernels_compile_for_hopper(dtype, group, dim, window):
 
 
 # ---------------------------------------------------------------------------------------
-# int8 KV pages (kernels/kv_quant.py): the Triton kernels against the torch reference
+# int8 KV pages (trae_kernels/kv_quant.py): the Triton kernels against the torch reference
 # ---------------------------------------------------------------------------------------
 
 

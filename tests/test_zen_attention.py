@@ -1,4 +1,4 @@
-"""Prompt attention on zentorch's SDPA kernel (kernels/zen_attention.py) against the dense
+"""Prompt attention on zentorch's SDPA kernel (trae_kernels/zen_attention.py) against the dense
 oracle and torch's kernel: fresh prompts, chunks over a cached prefix, several chunks in one
 padded call, sliding windows, GQA/MQA, bf16; and ``TRAE_ZEN_ATTENTION=0`` turning it off."""
 

@@ -1,4 +1,4 @@
-"""zentorch through its C shims (kernels/zen_calls.py): the same bits as its dispatcher ops,
+"""zentorch through its C shims (trae_kernels/zen_calls.py): the same bits as its dispatcher ops,
 and no memory left behind per call (the dispatcher ops leak each string argument)."""
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def compiled_decode_attention(
     keys = block_tables.shape[1] * k_cache.shape[1]
     k = k_cache.index_select(0, pages).view(n, keys, *kv_shape)
     v = v_cache.index_select(0, pages).view(n, keys, *kv_shape)
-    # the reference kernel's own decode attention (kernels/attention.py), the same bias
+    # the reference kernel's own decode attention (trae_kernels/attention.py), the same bias
     bias = torch.zeros(mask[:n].shape, dtype=query.dtype).masked_fill_(~mask[:n], float("-inf"))
     out[:n] = decode_attention(query[:n], k, v, bias, scale)
     return out

@@ -31,7 +31,7 @@ from trae_groups.kernels.thread_switch import ThreadSwitch
 # zentorch 2.13's dispatcher ops leak every string argument they are called with (torch
 # 2.13's stable ABI keeps a heap copy of each ``std::string`` it converts, pytorch#190493):
 # 32 bytes a string, plus its characters past 15. The linear and norms go through zentorch's C
-# shims instead (kernels/zen_calls.py); what still takes the dispatcher (this SDPA, compiled
+# shims instead (trae_kernels/zen_calls.py); what still takes the dispatcher (this SDPA, compiled
 # graphs, the shims' fallbacks) passes a one-letter op name, which keeps the characters inline.
 ZEN_OP_NAME = "z"
 

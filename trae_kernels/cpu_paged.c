@@ -1,7 +1,7 @@
 /* Paged KV on the CPU: store new K/V rows into their slots, and one-token-per-row attention
  * over each row's pages, read where they lie (no gathered copy of the context per layer).
  *
- * Built on first use by kernels/cpu_native.py (cc -O3 -march=native -fopenmp) and called
+ * Built on first use by trae_kernels/cpu_native.py (cc -O3 -march=native -fopenmp) and called
  * through ctypes with raw pointers and element strides; the Python side checks shapes,
  * dtypes and contiguity. float32 and bfloat16 tensors; scores, softmax and the weighted sum
  * accumulate in float32, as the torch reference does. OpenMP binds to the runtime torch

@@ -9,7 +9,7 @@
  * nothing (torch's C shim, no copy), calls zentorch's op and drops the handles: no handle
  * outlives a call, so no weight is kept alive by one.
  *
- * Built and loaded by kernels/zen_calls.py like cpu_paged.c (no torch headers: the few C
+ * Built and loaded by trae_kernels/zen_calls.py like cpu_paged.c (no torch headers: the few C
  * functions it calls are bound at run time, by address, from the libraries torch and zentorch
  * already loaded).
  */
