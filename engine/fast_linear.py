@@ -23,7 +23,6 @@ from torch import nn
 from trae_groups.engine.config import LINEAR_LIBRARIES
 from trae_groups.engine.hardware import cpu_vendor, detect
 from trae_groups.kernels import zen_calls
-from trae_groups.kernels.zen_attention import ZEN_OP_NAME
 
 __all__ = [
     "DEFAULT_BATCH_HINT",
@@ -215,17 +214,9 @@ class PackedLinear(nn.Module):
         if self.library == "zentorch":
             if x.numel() == 0:  # the kernel logs an error on an empty input
                 return x.new_empty((*x.shape[:-1], self.out_features))
-            if not compiling:  # its C shim: the dispatcher op leaks (trae_kernels/zen_calls.py)
-                out = zen_calls.linear(x, self.packed_weight, self.bias)
-                if out is not None:
-                    return out
-            return torch.ops.zentorch.zentorch_linear_unary(
-                x,
-                self.packed_weight,
-                self.bias,
-                is_weight_prepacked=True,
-                zentorch_op_name=ZEN_OP_NAME,
-            )  # traced as is when compiling: lower_packed_linear loads its meta functions
+            # its C shim (the dispatcher op leaks, trae_kernels/zen_calls.py); the dispatcher
+            # op is traced as is when compiling: lower_packed_linear loads its meta functions
+            return zen_calls.linear_op(x, self.packed_weight, self.bias, shim=not compiling)
         if compiling:  # see lower_packed_linear
             return torch.ops.trae.packed_linear(x, self.packed_weight, self.bias, self.out_features)
         if self.plain_weight is not None and x.numel() >= UPCAST_ROWS * self.in_features:

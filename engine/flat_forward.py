@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from trae_groups.kernels import AttentionBackend, PagedBatch, zen_calls
-from trae_groups.kernels.zen_attention import ZEN_OP_NAME
 
 # the model_type values whose layers this forward implements
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -270,12 +269,7 @@ class FlatForward(nn.Module):
             layer.head_norm = (key, weight, torch.ones_like(q_w))
         _, weight, ones = layer.head_norm
         if self.zen_norms and qk.numel():
-            flat = qk.reshape(t * heads, d)
-            normed = zen_calls.rms_norm(flat, ones, eps)
-            if normed is None:
-                normed = torch.ops.zentorch.zentorch_rms_norm(
-                    flat, ones, eps, zentorch_op_name=ZEN_OP_NAME
-                )
+            normed = zen_calls.rms_norm_op(qk.reshape(t * heads, d), ones, eps)
             return normed.view(t, heads, d).mul_(weight)
         return torch.rms_norm(qk, (d,), None, eps).mul_(weight)
 
@@ -305,21 +299,13 @@ def _add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module)
 def _zen_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     if x.numel() == 0:  # a step whose prompt chunk samples nothing; the kernel logs an error
         return torch.empty_like(x)
-    out = zen_calls.rms_norm(x, norm.weight, norm.variance_epsilon)
-    if out is not None:
-        return out
-    return torch.ops.zentorch.zentorch_rms_norm(
-        x, norm.weight, norm.variance_epsilon, zentorch_op_name=ZEN_OP_NAME
-    )
+    return zen_calls.rms_norm_op(x, norm.weight, norm.variance_epsilon)
 
 
 def _zen_add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module):
     """``_add_rms_norm`` in one zentorch kernel: the sum goes to ``residual``, the norm of it
     to ``hidden``'s storage (the sublayer's output, not read again)."""
-    if not zen_calls.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon):
-        torch.ops.zentorch.zentorch_add_rms_norm_(
-            hidden, norm.weight, residual, norm.variance_epsilon, zentorch_op_name=ZEN_OP_NAME
-        )
+    zen_calls.add_rms_norm_op(hidden, residual, norm.weight, norm.variance_epsilon)
     return hidden
 
 

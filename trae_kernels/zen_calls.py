@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from trae_groups.kernels import cpu_native
+from trae_groups.kernels.zen_attention import ZEN_OP_NAME
 
 log = logging.getLogger("trae_groups.kernels")
 
@@ -158,3 +159,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         weight.data_ptr(), eps,
     )  # fmt: skip
     return out if err == 0 else None
+
+
+# -- the shim where it takes the call, else zentorch's dispatcher op (the same bits) -------
+def linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shim: bool = True
+) -> torch.Tensor:
+    """zentorch's linear with a prepacked ``weight``; ``shim=False`` (while compiling: a
+    graph traces the dispatcher op) skips the shim."""
+    out = linear(x, weight, bias) if shim else None
+    if out is None:
+        out = torch.ops.zentorch.zentorch_linear_unary(
+            x, weight, bias, is_weight_prepacked=True, zentorch_op_name=ZEN_OP_NAME
+        )
+    return out
+
+
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = rms_norm(x, weight, eps)
+    if out is None:
+        out = torch.ops.zentorch.zentorch_rms_norm(x, weight, eps, zentorch_op_name=ZEN_OP_NAME)
+    return out
+
+
+def add_rms_norm_op(
+    hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> None:
+    """``residual += hidden``, then ``hidden = rms_norm(residual) * weight``, in place."""
+    if not add_rms_norm(hidden, residual, weight, eps):
+        torch.ops.zentorch.zentorch_add_rms_norm_(
+            hidden, weight, residual, eps, zentorch_op_name=ZEN_OP_NAME
+        )
