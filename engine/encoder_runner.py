@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trae_groups.engine.chat import probe
 from trae_groups.engine.errors import RequestError
 from trae_groups.engine.memory import tensor_key
 from trae_groups.engine.ner import aggregate
@@ -94,22 +95,19 @@ def encode(loaded: LoadedModel, texts: Sequence[Text]) -> Encoded:
     return Encoded(list(texts), inputs, truncated, offsets_list, word_ids)
 
 
-#: A text longer than this many characters a kept token is cut before tokenizing
-#: (``_cut``), and CUT_SLACK tokens past the truncation are what its cut edge may change.
-CUT_CHARS_PER_TOKEN = 8
+#: Tokens past the truncation a long text's probe (``chat.probe``) must hold to stand for
+#: the whole: more than its cut edge may change.
 CUT_SLACK = 16
 
 
 def _cut(tok: Any, text: str, max_length: int) -> str:
     """The beginning of a long text that tokenizes, up to truncation, as the whole does:
-    the tokenizer reads a 1 MB text in ~0.6 s of both cores only to keep its first 512
-    tokens. A prefix cut anywhere tokenizes like the whole but for its last few tokens,
-    so a prefix with CUT_SLACK tokens past ``max_length`` gives the same ids, offsets and
-    ``truncated``. Text whose prefix holds fewer (very long words) is read whole."""
-    keep = CUT_CHARS_PER_TOKEN * (max_length + CUT_SLACK)
-    if len(text) <= 2 * keep:
+    the tokenizer would read all of a 1 MB text only to keep its first 512 tokens. A probe
+    with CUT_SLACK tokens past ``max_length`` gives the same ids, offsets and
+    ``truncated``; text whose probe holds fewer (very long words) is read whole."""
+    prefix = probe(text, max_length + CUT_SLACK)
+    if prefix is None:
         return text
-    prefix = text[:keep]
     if len(tok(prefix, add_special_tokens=False)["input_ids"]) >= max_length + CUT_SLACK:
         return prefix
     return text

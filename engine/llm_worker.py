@@ -56,10 +56,8 @@ def context_length(positions: int | None, configured: int | None) -> int:
     return min(configured or length, length)
 
 
-#: The probe of a long prompt (``LLMWorker._refuse_text_past_the_limit``): characters a
-#: token (English prose is ~4, "word word ..." 5, code ~3: a probe of 8 a token reaches the
-#: limit in all of them) and tokens its cut edge may add.
-PROBE_CHARS_PER_TOKEN = 8
+#: Tokens past the limit a long prompt's probe (``chat.probe``) must hold to refuse it:
+#: more than its cut edge may add.
 PROBE_SLACK = 64
 
 
@@ -159,11 +157,10 @@ class LLMWorker(Worker):
         all of it (a 1 MB prompt costs it 0.6 s of both cores, which starve the server).
 
         First a bound that needs no tokenizing (more characters than the longest tokens
-        could cover), which only catches text past ~300 characters a token; then a probe:
-        the first ``PROBE_CHARS_PER_TOKEN`` characters a token of the longest text a user
-        wrote, tokenized alone. A prefix cut anywhere tokenizes like the whole up to its
-        last few tokens, so a probe past the limit by ``PROBE_SLACK`` is past it in the
-        whole; a probe under it says nothing, and the whole is tokenized as before."""
+        could cover), which only catches text past ~300 characters a token; then a probe
+        (``chat.probe``) of the longest text a user wrote, tokenized alone: one past the
+        limit by ``PROBE_SLACK`` is past it in the whole; one under it says nothing, and
+        the whole is tokenized as before."""
         if self.tokenizer is None:
             return
         if isinstance(request.prompt, str):
@@ -182,15 +179,15 @@ class LLMWorker(Worker):
                 f"has {chars} characters, at least {fewest} tokens; model {self.name!r} "
                 f"takes at most {limit} (max_prompt_tokens)",
             )
-        probe = PROBE_CHARS_PER_TOKEN * (limit + PROBE_SLACK)
         longest = max(texts, key=len, default="")
-        if len(longest) <= 2 * probe:
-            return  # the whole costs at most twice the probe: tokenized as it is
-        counted = len(chat.encode(self.tokenizer, longest[:probe]))
+        prefix = chat.probe(longest, limit + PROBE_SLACK)
+        if prefix is None:
+            return  # tokenized whole
+        counted = len(chat.encode(self.tokenizer, prefix))
         if counted > limit + PROBE_SLACK:
             raise RequestError(
                 "prompt",
-                f"has more than {limit} tokens (the first {probe} characters of its "
+                f"has more than {limit} tokens (the first {len(prefix)} characters of its "
                 f"{len(longest)} are {counted} alone); model {self.name!r} takes at most "
                 f"{limit} (max_prompt_tokens)",
             )

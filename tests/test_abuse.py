@@ -172,7 +172,7 @@ def test_text_no_tokenization_could_fit_is_refused_before_tokenizing(llama_dir, 
 
 def test_text_past_the_limit_is_refused_after_tokenizing_a_prefix(llama_dir, monkeypatch):
     """Text under the no-tokenizing bound but past the limit: only a probe of its beginning
-    is tokenized (llm_worker.PROBE_CHARS_PER_TOKEN), for the prompt and for a chat's
+    is tokenized (chat.probe), for the prompt and for a chat's
     messages; text up to twice the probe is tokenized whole and counted exactly."""
     from trae_groups.engine import chat, llm_worker
     from trae_groups.engine.protocol import GenerateRequest
@@ -186,7 +186,7 @@ def test_text_past_the_limit_is_refused_after_tokenizing_a_prefix(llama_dir, mon
     )
     with LLMEngine({"m": llama_dir}, config) as eng:
         worker = eng.llms["m"]
-        probe = llm_worker.PROBE_CHARS_PER_TOKEN * (40 + 4)
+        probe = chat.PROBE_CHARS_PER_TOKEN * (40 + 4)
         long = "word " * 200  # 1,000 characters: under the bound, over twice the probe
         assert len(long) // worker._chars_per_token_bound <= 40 and len(long) > 2 * probe
         asks = ({"prompt": long}, {"messages": ({"role": "user", "content": long},)})

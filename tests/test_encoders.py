@@ -197,7 +197,7 @@ class TestBadInput:
         """encoder_runner._cut: a text far past the truncation is tokenized from its
         beginning only, and every result (labels, scores, spans, truncated) is the one the
         whole text gives."""
-        from trae_groups.engine import encoder_runner
+        from trae_groups.engine import chat
 
         long_text = " ".join(["hello world, my order is where?"] * 2000)  # 64k characters
         for task in ("classify", "tag"):
@@ -213,7 +213,7 @@ class TestBadInput:
             monkeypatch.setattr(loaded.tokenizer.__class__, "__call__", spy)
             cut = runner.run([long_text, "hello"])
             assert max(read) < len(long_text) // 10  # only a prefix was read
-            monkeypatch.setattr(encoder_runner, "CUT_CHARS_PER_TOKEN", 10**9)  # never cut
+            monkeypatch.setattr(chat, "PROBE_CHARS_PER_TOKEN", 10**9)  # never cut
             whole = runner.run([long_text, "hello"])
             monkeypatch.undo()
             assert cut == whole and cut[0]["truncated"] is True
