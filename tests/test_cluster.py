@@ -142,6 +142,25 @@ def replicas(group: str) -> dict[str, int]:
     return {r: pid for r, (g, pid, _stats) in posts.items() if g == group}
 
 
+def scheduled_replicas(group: str) -> int:
+    """Replicas of a group that Serve is starting or running: the autoscaler's decision, seen
+    before the new replica has loaded its model (which takes minutes on a loaded machine)."""
+    from ray import serve
+
+    from trae_groups.cluster.app import APP_NAME
+
+    app = serve.status().applications.get(APP_NAME)
+    if app is None:
+        return 0
+    return sum(
+        count
+        for name, deployment in app.deployments.items()
+        if name.endswith(f"-{group}")
+        for state, count in deployment.replica_states.items()
+        if str(getattr(state, "value", state)) in ("STARTING", "RUNNING", "UPDATING")
+    )
+
+
 def board_stats() -> dict:
     from trae_groups.cluster.board import board
 
@@ -403,12 +422,12 @@ def test_autoscaling_follows_pending_work(cluster, models, tmp_path):
     for w in workers:
         w.start()
     try:
-        wait_until(lambda: len(replicas("llm")) == 2, "a second replica under load", 90)
+        wait_until(lambda: scheduled_replicas("llm") == 2, "a second replica under load", 90)
     finally:
         stop.set()
         for w in workers:
             w.join(120)
-    wait_until(lambda: len(replicas("llm")) == 1, "back to one replica after the load", 90)
+    wait_until(lambda: scheduled_replicas("llm") == 1, "back to one replica after the load", 120)
     http.close()
 
 
