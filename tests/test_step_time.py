@@ -19,6 +19,7 @@ from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.memory_pool import MemoryPool
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.scheduler import (
+    ADMIT_WAIT,
     ALONE_STRETCH,
     DECODE_SLOWDOWN,
     MIN_ALONE_CHUNK,
@@ -246,6 +247,27 @@ def test_a_held_step_shares_its_prompt_tokens_with_waiting_prompts():
     assert chunks["short"] == 20  # admitted at once, not after 3,000 tokens
     assert 0 < chunks["long"] < 67 and sum(chunks.values()) <= 67 + 3
     assert long.num_uncomputed > 0
+
+
+@pytest.mark.parametrize("overdue", [False, True])
+def test_prompts_that_waited_past_the_admission_bound_go_in_whole_beside_decodes(overdue):
+    """A burst beside the stream of its first admitted: a held step takes the target's 67
+    tokens; prompts that have waited ADMIT_WAIT times the target take what they need."""
+    s = scheduler(target_s=0.100)
+    s.add(seq(5, "chat"))
+    advance(s)  # the chat decodes from now on
+    burst = [seq(100, f"p{i}") for i in range(4)]
+    for prompt in burst:
+        if overdue:
+            prompt.arrival -= ADMIT_WAIT * 0.100 + 0.01
+        s.add(prompt)
+    step = s.schedule()
+    chunks = {i.seq.request_id: i.num_new for i in step.prefills}
+    assert [i.seq.request_id for i in step.decodes] == ["chat"]
+    if overdue:
+        assert chunks == {f"p{i}": 100 for i in range(4)}
+    else:
+        assert sum(chunks.values()) <= 67 + 3
 
 
 def test_a_step_that_gives_a_prompt_its_first_token_is_not_topped_up_past_the_target():
