@@ -63,7 +63,9 @@ PROMPT_STRETCH = 3.0
 # A held step admits about one short prompt: a burst of 16 128-token prompts, beside the
 # streams of its first admitted, took 13 held steps, its last first token 1.8-2.7 s against
 # ~1.4 s for its prefill alone (SmolLM2 bf16, Zen 4). So a step beside decodes carries at
-# least what the prompts that have waited this many times the target still need.
+# least what the prompts that have waited this many times the target still need. Served at
+# 16 clients that met vLLM's p99 time to first token (1.24-1.46 s), where half budgets did
+# not (1.47-1.84 s); the price is the streams' p99 inter-token latency (docs/engine.md).
 ADMIT_WAIT = 3.0
 
 
