@@ -11,8 +11,10 @@ Qwen2, Qwen3) the engine runs this forward instead, over the same weights:
 * RMSNorm is torch's fused op, the residual add done in place before it (zentorch's fused
   add-and-norm where zentorch packs the linears);
 * rotary cos/sin are computed once per step (the model's own rotary module, so every
-  scaling type it knows stays exact) and applied to q and k in a few ops;
-* SiLU-and-multiply is two ops on the fused gate/up output;
+  scaling type it knows stays exact) and applied to q and k at once;
+* SiLU-and-multiply reads the fused gate/up output once;
+* in bf16 on AVX-512 the rotation and SiLU-and-multiply are native passes
+  (``trae_kernels/cpu_paged.c``) that round where torch's ops round: the same bits;
 * logits only for the rows that sample.
 
 The batch is the scheduler's flattened one (decodes first, then prefill chunks); attention
@@ -33,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trae_groups.kernels import AttentionBackend, PagedBatch, zen_calls
+from trae_groups.kernels import AttentionBackend, PagedBatch, cpu_native, zen_calls
 
 # the model_type values whose layers this forward implements
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -278,7 +280,10 @@ class FlatForward(nn.Module):
         if lora_active:
             _slice_updates(mlp, ("gate_proj", "up_proj"), x, gate_up)
         n = layer.intermediate
-        return mlp.down_proj(F.silu(gate_up[:, :n]).mul_(gate_up[:, n:]))
+        both = cpu_native.silu_mul(gate_up, n) if cpu_native.pointwise(gate_up) else None
+        if both is None:
+            both = F.silu(gate_up[:, :n]).mul_(gate_up[:, n:])
+        return mlp.down_proj(both)
 
 
 def _side_by_side(q_w: torch.Tensor, k_w: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
@@ -332,7 +337,11 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, rotate-half form (transformers' ``apply_rotary_pos_emb``), exactly:
     rotate_half(x) * sin == cat(x2, x1) * ``_signed_sin(sin)``. x [T, heads, dim]; cos and
-    signed_sin [T, 1, dim]."""
+    signed_sin [T, 1, dim]. In bf16 on AVX-512 one native pass gives the same bits."""
+    if cpu_native.pointwise(x):
+        rotated = cpu_native.rotate(x, cos, signed_sin)
+        if rotated is not None:
+            return rotated
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return torch.addcmul(x * cos, swapped, signed_sin)

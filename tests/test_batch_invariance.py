@@ -56,3 +56,29 @@ def test_alone_batched_and_verifying_rows_get_the_same_tokens_and_logprobs(wide_
     for other in (batched, verifying):
         assert other.token_ids == alone.token_ids
         assert other.logprobs == pytest.approx(alone.logprobs, abs=1e-5, rel=0)
+
+
+def test_the_native_pointwise_kernels_change_no_bit_of_a_bf16_generation(wide_llm, monkeypatch):
+    from trae_groups.kernels import cpu_native
+
+    if not cpu_native.pointwise(torch.zeros(1, dtype=torch.bfloat16)):
+        pytest.skip("the native pointwise kernels are built for AVX-512 only")
+    calls = {"silu_mul": 0, "rotate": 0}
+    for name in calls:
+        kernel = getattr(cpu_native, name)
+        monkeypatch.setattr(
+            cpu_native,
+            name,
+            lambda *a, _k=kernel, _n=name: calls.__setitem__(_n, calls[_n] + 1) or _k(*a),
+        )
+    outs = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(cpu_native, "pointwise", lambda x: False)
+        with engine({"m": wide_llm}, dtype="bfloat16") as eng:
+            outs.append(eng.generate(PROMPTS, PARAMS, model="m"))
+        if native:
+            assert calls["silu_mul"] and calls["rotate"]  # the kernels ran
+    for with_native, without in zip(*outs, strict=True):
+        assert with_native.token_ids == without.token_ids
+        assert with_native.logprobs == without.logprobs  # the same bits, not merely close

@@ -96,3 +96,48 @@ def test_environment_switch_turns_them_off():
     env = dict(os.environ, TRAE_NATIVE_KERNELS="0")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.stdout.strip() == "True", done.stderr
+
+
+needs_pointwise = pytest.mark.skipif(
+    not cpu_native.pointwise(torch.zeros(1, dtype=torch.bfloat16)),
+    reason="the native pointwise kernels are built for AVX-512 only",
+)
+
+
+def _wide_bf16(*shape: int) -> torch.Tensor:
+    """Values across bf16's range: ordinary ones, large, tiny, zeros and infinities."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape, generator=g))
+    if x.numel() >= 4:
+        x.view(-1)[:4] = torch.tensor([0.0, -0.0, float("inf"), float("-inf")])
+    return x.bfloat16()
+
+
+@needs_pointwise
+@pytest.mark.parametrize("rows", [0, 1, 7, 33, 300])
+def test_silu_mul_gives_torchs_bits(rows):
+    import torch.nn.functional as F
+
+    gate_up = _wide_bf16(rows, 2 * 96)
+    want = F.silu(gate_up[:, :96]).mul_(gate_up[:, 96:])
+    got = cpu_native.silu_mul(gate_up, 96)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # the same values
+
+
+@needs_pointwise
+@pytest.mark.parametrize("tokens", [0, 1, 5, 300])
+def test_rotate_gives_the_torch_rotations_bits_on_a_strided_view(tokens):
+    from trae_groups.engine.flat_forward import _signed_sin
+
+    qkv = _wide_bf16(tokens, 7 * 64 + 64)  # q and k heads, then v: the fused output's rows
+    qk = qkv[:, : 7 * 64].view(tokens, 7, 64)
+    cos, sin = torch.randn(2, tokens, 1, 64).bfloat16()
+    signed = _signed_sin(sin)
+    half = 32
+    want = torch.addcmul(qk * cos, torch.cat((qk[..., half:], qk[..., :half]), -1), signed)
+    got = cpu_native.rotate(qk, cos, signed)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_pointwise_kernels_leave_float32_to_torch():
+    assert not cpu_native.pointwise(torch.zeros(1))

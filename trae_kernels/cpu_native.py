@@ -4,11 +4,13 @@ Why native code: a decode step's attention through torch gathers each sequence's
 a fresh tensor per layer and runs SDPA on it, ~0.2 ms a layer at batch 1 and ~0.5 ms at
 batch 32 on SmolLM2's shapes, most of it per-call overhead around very few FLOPs; storing
 the new K/V is two advanced-indexing writes more. The C loops read the pages where they lie.
+The flat forward's bf16 SiLU-and-product and rotation are two such loops too (AVX-512 builds):
+torch ran them as two and three kernels with tensors between; these round where torch does.
 
 Why built here: no wheel carries kernels for this torch on these CPUs (the Intel extension
 stopped at torch 2.8; zentorch is for AMD EPYC). The source is one C file with no torch
-headers: ``cc -O3 -march=native -fopenmp`` builds it in about a second into a cache keyed by
-the source, the compiler and the CPU's flags (``TRAE_KERNEL_CACHE``, else
+headers: ``cc -O3 -march=native -fopenmp -ffp-contract=off`` builds it in about a second
+into a cache keyed by the source, the compiler and the CPU's flags (``TRAE_KERNEL_CACHE``, else
 ``~/.cache/trae-groups/kernels``). Without a C compiler, or with ``TRAE_NATIVE_KERNELS=0``,
 nothing is built and the torch reference runs (the same numbers within float rounding).
 """
@@ -34,7 +36,15 @@ log = logging.getLogger("trae_groups.kernels")
 SOURCE = Path(__file__).with_name("cpu_paged.c")
 ENV_SWITCH = "TRAE_NATIVE_KERNELS"  # "0": never build or use them
 CACHE_ENV = "TRAE_KERNEL_CACHE"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-ffp-contract=off",
+    "-shared",
+    "-fPIC",
+)
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -97,6 +107,11 @@ def _declare(lib: ctypes.CDLL) -> None:
             + [ctypes.c_float, _i64, _ptr, _i64, ctypes.c_int]
         )
         decode.restype = None
+    if hasattr(lib, "silu_mul_bf16"):  # AVX-512 builds
+        lib.silu_mul_bf16.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, ctypes.c_int]
+        lib.silu_mul_bf16.restype = None
+        lib.rotate_bf16.argtypes = [_ptr, *[_i64] * 4, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
+        lib.rotate_bf16.restype = None
 
 
 def library() -> ctypes.CDLL | None:
@@ -203,4 +218,47 @@ def decode_attention(
         k_cache.shape[2], query.shape[2], scale, window or 0, out.data_ptr(), out.stride(0),
         torch.get_num_threads(),
     )  # fmt: skip
+    return out
+
+
+def pointwise(x: torch.Tensor) -> bool:
+    """Whether ``silu_mul`` and ``rotate`` take this CPU bf16 tensor (AVX-512 builds)."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.compiler.is_compiling():
+        return False
+    lib = library()
+    return lib is not None and hasattr(lib, "silu_mul_bf16")
+
+
+def silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor | None:
+    """``silu(gate_up[:, :n]) * gate_up[:, n:]`` rounded as torch rounds it, for a matrix
+    whose rows are packed; None where the kernel does not take it."""
+    if gate_up.dim() != 2 or gate_up.stride(1) != 1 or n % 16 or gate_up.shape[1] != 2 * n:
+        return None
+    rows = gate_up.shape[0]
+    out = torch.empty((rows, n), dtype=gate_up.dtype)
+    if rows:
+        library().silu_mul_bf16(
+            gate_up.data_ptr(), rows, gate_up.stride(0), n, out.data_ptr(), n,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor | None:
+    """Rotate-half rotary of x [T, heads, dim] (heads packed, rows strided) by cos and
+    signed_sin [T, 1, dim], rounded as ``flat_forward._rotate``; None where the kernel does
+    not take these."""
+    t, heads, dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != dim or dim % 32 or cos.dtype != x.dtype:
+        return None
+    if cos.shape != (t, 1, dim) or cos.stride() != signed_sin.stride() or cos.stride(2) != 1:
+        return None
+    if signed_sin.shape != cos.shape or signed_sin.dtype != x.dtype:
+        return None
+    out = torch.empty((t, heads, dim), dtype=x.dtype)
+    if t:
+        library().rotate_bf16(
+            x.data_ptr(), t, x.stride(0), heads, dim, cos.data_ptr(), signed_sin.data_ptr(),
+            cos.stride(0), out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
     return out
