@@ -280,7 +280,7 @@ class FlatForward(nn.Module):
         if lora_active:
             _slice_updates(mlp, ("gate_proj", "up_proj"), x, gate_up)
         n = layer.intermediate
-        both = cpu_native.silu_mul(gate_up, n) if cpu_native.pointwise(gate_up) else None
+        both = cpu_native.silu_mul(gate_up, n)
         if both is None:
             both = F.silu(gate_up[:, :n]).mul_(gate_up[:, n:])
         return mlp.down_proj(both)
@@ -338,10 +338,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     """Rotary embedding, rotate-half form (transformers' ``apply_rotary_pos_emb``), exactly:
     rotate_half(x) * sin == cat(x2, x1) * ``_signed_sin(sin)``. x [T, heads, dim]; cos and
     signed_sin [T, 1, dim]. In bf16 on AVX-512 one native pass gives the same bits."""
-    if cpu_native.pointwise(x):
-        rotated = cpu_native.rotate(x, cos, signed_sin)
-        if rotated is not None:
-            return rotated
+    rotated = cpu_native.rotate(x, cos, signed_sin)
+    if rotated is not None:
+        return rotated
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     return torch.addcmul(x * cos, swapped, signed_sin)

@@ -232,7 +232,9 @@ def pointwise(x: torch.Tensor) -> bool:
 def silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor | None:
     """``silu(gate_up[:, :n]) * gate_up[:, n:]`` rounded as torch rounds it, for a matrix
     whose rows are packed; None where the kernel does not take it."""
-    if gate_up.dim() != 2 or gate_up.stride(1) != 1 or n % 16 or gate_up.shape[1] != 2 * n:
+    if not pointwise(gate_up) or gate_up.dim() != 2 or gate_up.stride(1) != 1 or n % 16:
+        return None
+    if gate_up.shape[1] != 2 * n:
         return None
     rows = gate_up.shape[0]
     out = torch.empty((rows, n), dtype=gate_up.dtype)
@@ -248,6 +250,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     """Rotate-half rotary of x [T, heads, dim] (heads packed, rows strided) by cos and
     signed_sin [T, 1, dim], rounded as ``flat_forward._rotate``; None where the kernel does
     not take these."""
+    if not pointwise(x):
+        return None
     t, heads, dim = x.shape
     if x.stride(2) != 1 or x.stride(1) != dim or dim % 32 or cos.dtype != x.dtype:
         return None

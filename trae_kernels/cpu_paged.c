@@ -179,11 +179,21 @@ static inline __m512 load16_bf16(const bf16 *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 static inline void store16_f32(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
-static inline void store16_bf16(bf16 *p, __m512 x) {
-    float tmp[16];
-    _mm512_storeu_ps(tmp, x);
-    for (int i = 0; i < 16; i++) p[i] = f32_to_bf16(tmp[i]);
+static inline __m512 round_bf16_16(__m512 x) { /* f32_to_bf16's rounding, 16 at once */
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)),
+                             _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(r);
 }
+static inline void store16_rounded(bf16 *p, __m512 rounded) {
+    _mm256_storeu_si256((__m256i *)p,
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+}
+static inline void store16_bf16(bf16 *p, __m512 x) { store16_rounded(p, round_bf16_16(x)); }
 
 static inline __m512 exp16(__m512 x) { /* x <= 0: a score minus the running maximum */
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -462,20 +472,6 @@ int limits(int64_t *max_group, int64_t *max_dim) {
  * rounded to bf16, then its product with the up projection; the rotation's x * cos rounded,
  * then + swapped x * signed sin. torch ran each as two or three kernels with a tensor
  * between them (27 + 26 us a layer at 32 rows of SmolLM2, bf16, Zen 4). */
-static inline __m512 round_bf16_16(__m512 x) { /* to the nearest bf16, even on ties, as f32 */
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)),
-                             _mm512_set1_epi32(0x00400000));
-    return _mm512_castsi512_ps(r);
-}
-static inline void store16_rounded(bf16 *p, __m512 rounded) {
-    _mm256_storeu_si256((__m256i *)p,
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
-}
 static inline __m512 exp16_full(__m512 x) { /* any x: e^x, overflowing to inf, 0 below -87 */
     __m512 big = _mm512_set1_ps(88.7f);
     __mmask16 over = _mm512_cmp_ps_mask(x, big, _CMP_GT_OQ);
