@@ -89,9 +89,9 @@ class EngineConfig:
     page_bytes: int | None = None
     tokens_per_page: int = 16
     max_num_seqs: int = 64
-    # prompt tokens a step may carry: larger steps run the linears nearer their peak (bf16 on
-    # Zen 4: 32 x 100 +11%, 32 x 512 +11% against 512, docs/performance.md); served steps
-    # beside decodes are held to step_time_target_ms whatever this is
+    # prompt tokens a step may carry: larger steps run the linears nearer their peak (what
+    # 2,048 bought over 512: docs/engine.md, Scheduling); served steps beside decodes are
+    # held to step_time_target_ms whatever this is
     max_num_batched_tokens: int = 2048
     # while other requests wait, one prompt chunk takes at most this many tokens of a
     # step, so a long prompt never keeps them out; None: max_num_batched_tokens // 4
