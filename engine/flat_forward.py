@@ -35,7 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trae_groups.kernels import AttentionBackend, PagedBatch, cpu_native, zen_calls
+from trae_groups.engine import native_layers
+from trae_groups.engine.native_layers import NativeLayers
+from trae_groups.kernels import AttentionBackend, PagedBatch, attention, cpu_native, zen_calls
 
 # the model_type values whose layers this forward implements
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -122,16 +124,30 @@ Attend = Callable[
 ]
 
 
-def paged_attend(batch: PagedBatch, kv, backend: AttentionBackend) -> Attend:
+@dataclass
+class PagedAttend:
     """The eager step's attention: the backend stores each layer's new K/V into its pages
-    and attends over the batch's block tables (int8 pages, windows, any backend)."""
+    and attends over the batch's block tables (int8 pages, windows, any backend). The
+    native layer loop reads the batch and pages from it."""
 
-    def attend(layer: int, q, k, v, window: int | None, scale: float) -> torch.Tensor:
-        k_cache, v_cache = kv.k[layer], kv.v[layer]
-        backend.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        return backend.paged_attention(q, k, v, k_cache, v_cache, batch, scale, window)
+    batch: PagedBatch
+    kv: object  # the runner's KV pages: .k and .v, one tensor (or QuantKV) per layer
+    backend: AttentionBackend
 
-    return attend
+    def __call__(self, layer: int, q, k, v, window: int | None, scale: float) -> torch.Tensor:
+        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
+        self.backend.store_kv(k, v, k_cache, v_cache, self.batch.slot_mapping)
+        return self.backend.paged_attention(q, k, v, k_cache, v_cache, self.batch, scale, window)
+
+    def native_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What the native decode kernel reads for every row of this step, where the
+        backend would run the whole step through it (else None)."""
+        if self.backend.paged_attention is not attention.paged_attention:
+            return None
+        return attention.native_rows(self.batch)
+
+
+paged_attend = PagedAttend  # (batch, kv, backend): the eager step's Attend
 
 
 @dataclass
@@ -184,6 +200,7 @@ class FlatForward(nn.Module):
             )  # fmt: skip
         self.scale = self.head_dim**-0.5
         self.zen_norms = False  # set per step: zentorch's norms beside zentorch's linears
+        self.native = NativeLayers()  # the layer loop in one native call, where it applies
 
     @property
     def model(self) -> nn.Module:
@@ -221,8 +238,11 @@ class FlatForward(nn.Module):
         rms_norm, add_rms_norm = _norms_for(self.qkv[0])
         self.zen_norms = rms_norm is _zen_rms_norm
         x = rms_norm(hidden, base.layers[0].input_layernorm)
+        native = None if lora_active else self.native.run(self, attend, x, residual, cos, sin)
+        if native is not None:
+            hidden = native
         # the fused projections are read from the module lists: packing replaces them there
-        for i, layer in enumerate(self._layers):
+        for i, layer in enumerate(self._layers if native is None else ()):
             block, qkv, gate_up = layer.block, self.qkv[i], self.gate_up[i]
             if i:
                 x = add_rms_norm(hidden, residual, block.input_layernorm)
@@ -265,15 +285,21 @@ class FlatForward(nn.Module):
         if torch.compiler.is_compiling():  # traced into the graph, no cache
             weight = _side_by_side(q_w, k_w, self.heads, self.kv_heads)
             return torch.rms_norm(qk, (d,), None, eps) * weight
-        key = (q_w.data_ptr(), k_w.data_ptr(), q_w.dtype)
-        if layer.head_norm is None or layer.head_norm[0] != key:  # built once per weights
-            weight = _side_by_side(q_w, k_w, self.heads, self.kv_heads)
-            layer.head_norm = (key, weight, torch.ones_like(q_w))
-        _, weight, ones = layer.head_norm
+        weight, ones = self._head_norm_weights(layer, attn)
         if self.zen_norms and qk.numel():
             normed = zen_calls.rms_norm_op(qk.reshape(t * heads, d), ones, eps)
             return normed.view(t, heads, d).mul_(weight)
         return torch.rms_norm(qk, (d,), None, eps).mul_(weight)
+
+    def _head_norm_weights(self, layer: _Layer, attn: nn.Module) -> tuple:
+        """Qwen3's q and k norm weights side by side [heads + kv_heads, dim], and ones of a
+        head's size, built once per weights."""
+        q_w, k_w = attn.q_norm.weight, attn.k_norm.weight
+        key = (q_w.data_ptr(), k_w.data_ptr(), q_w.dtype)
+        if layer.head_norm is None or layer.head_norm[0] != key:
+            weight = _side_by_side(q_w, k_w, self.heads, self.kv_heads)
+            layer.head_norm = (key, weight, torch.ones_like(q_w))
+        return layer.head_norm[1:]
 
     def _mlp(self, layer: _Layer, gate_up, lora_active, x):
         mlp = layer.block.mlp
@@ -368,7 +394,9 @@ def forward_path(model: nn.Module) -> str:
 
     libraries = sorted({m.library for m in model.modules() if isinstance(m, PackedLinear)})
     packed = f"; linears: {'+'.join(libraries)}" if libraries else ""
-    if flat_forward_of(model) is not None:
-        return "trae (fused projections)" + packed
+    flat = flat_forward_of(model)
+    if flat is not None:
+        native = "; layer loop: native" if native_layers.takes_model(flat) else ""
+        return "trae (fused projections)" + packed + native
     reason = unsupported_reason(model)
     return "transformers" + (f": {reason}" if reason else "") + packed

@@ -193,6 +193,18 @@ def _prefill_mask(n_q: int, n_k: int, window: int | None, device) -> torch.Tenso
     return mask
 
 
+def native_rows(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's sequence and last position where ``paged_attention`` runs the whole step
+    through the native kernel (decodes, and prompt chunks short enough to run as decode
+    rows), or None where prompt chunks take SDPA. The flat forward's native layer loop
+    (trae_kernels/zen_layers.py) asks the same, so both attend alike."""
+    if batch.num_decodes == batch.num_seqs:
+        return batch.decode_rows()
+    if batch.longest_chunk() <= NATIVE_CHUNK_ROWS:
+        return batch.all_rows()
+    return None
+
+
 def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -211,8 +223,8 @@ def paged_attention(
     nd = batch.num_decodes
     gqa = query.shape[1] != k_cache.shape[2]
     native = cpu_native.supports(query, k_cache, v_cache)
-    if native and nd < batch.num_seqs and batch.longest_chunk() <= NATIVE_CHUNK_ROWS:
-        row_seq, row_pos = batch.all_rows()  # short chunks beside decodes: one call for all
+    if native and nd < batch.num_seqs and (whole := native_rows(batch)) is not None:
+        row_seq, row_pos = whole  # short chunks beside decodes: one call for all
         return cpu_native.decode_attention(
             query, k_cache, v_cache, batch.block_tables, row_seq, row_pos, scale, sliding_window
         )

@@ -142,7 +142,13 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int] | None:
+def limits() -> tuple[int, int]:
+    """The decode kernel's most query heads per KV head and largest head size (0, 0 before
+    the library loads)."""
+    return _limits
+
+
+def cache_strides(cache: torch.Tensor) -> tuple[int, int, int] | None:
     """(page, token, head) element strides of a [pages, page, heads, dim] cache whose rows
     of ``dim`` are contiguous, else None."""
     if cache.dim() != 4 or cache.stride(3) != 1:
@@ -159,8 +165,8 @@ def stores(rows: torch.Tensor, k_cache, v_cache) -> bool:
         return False
     if k_cache.dtype != rows.dtype or v_cache.dtype != rows.dtype:
         return False
-    strides = _cache_strides(k_cache)
-    return strides is not None and strides == _cache_strides(v_cache)
+    strides = cache_strides(k_cache)
+    return strides is not None and strides == cache_strides(v_cache)
 
 
 def supports(query: torch.Tensor, k_cache, v_cache) -> bool:
@@ -185,7 +191,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping: torch.Tensor) -> None:
     lib = library()
     key, value = _rows(key), _rows(value)
     slots = slot_mapping.contiguous()
-    page_s, tok_s, head_s = _cache_strides(k_cache)
+    page_s, tok_s, head_s = cache_strides(k_cache)
     getattr(lib, f"store_kv_{_SUFFIX[key.dtype]}")(
         key.data_ptr(), value.data_ptr(), key.shape[0], key.stride(0), value.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), page_s, tok_s, head_s, k_cache.shape[1],
@@ -210,7 +216,7 @@ def decode_attention(
     query = _rows(query)
     out = torch.empty(query.shape, dtype=query.dtype)
     tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
-    page_s, tok_s, head_s = _cache_strides(k_cache)
+    page_s, tok_s, head_s = cache_strides(k_cache)
     getattr(lib, f"decode_attention_{_SUFFIX[query.dtype]}")(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         page_s, tok_s, head_s, k_cache.shape[1], tables.data_ptr(), tables.stride(0),

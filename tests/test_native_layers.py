@@ -1,0 +1,154 @@
+"""The flat forward's layer stack in one native call (trae_kernels/zen_layers.py) gives the
+Python loop's bits: the same kernels with the same arguments, from C. Where it runs (bf16
+weights packed for zentorch, the AVX-512 kernels built) every family's steps are compared
+logit for logit with the loop, and a generation token for token and logprob for logprob."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from test_engine import engine
+
+from conftest import LLM_FAMILIES, build_llm
+from trae_groups.engine.config import EngineConfig
+from trae_groups.engine.engine import LLMEngine
+from trae_groups.engine.flat_forward import forward_path
+from trae_groups.engine.sampling import SamplingParams
+from trae_groups.kernels import attention, zen_layers
+
+pytestmark = pytest.mark.skipif(
+    zen_layers.library() is None, reason="needs zentorch's shims and the AVX-512 kernels"
+)
+# head size 64 and an MLP width of 16s: what the native rotation and SiLU take
+WIDE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, num_hidden_layers=3)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def wide_llms(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("wide-llms")
+    return {family: build_llm(root / family, family, **WIDE) for family in LLM_FAMILIES}
+
+
+@contextlib.contextmanager
+def stepped(path, **cfg) -> Iterator:
+    """An engine's worker that the test steps itself (no loop thread)."""
+    eng = LLMEngine({"m": path}, EngineConfig(dtype="bfloat16", fast_linear=True,
+                                              pool_bytes=8 << 20, **cfg))  # fmt: skip
+    eng.size_pool()
+    try:
+        yield eng.llms["m"]
+    finally:
+        eng.shutdown()
+
+
+class Counted:
+    """Counts the native loop's calls (it is a module function: patched for the test)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        run = zen_layers.run
+
+        def counted(*args):
+            self.calls += 1
+            return run(*args)
+
+        monkeypatch.setattr(zen_layers, "run", counted)
+
+
+def _both(worker, sched):
+    """The step's logits from the native loop, then from the Python loop, on one input."""
+    inputs = worker.runner.prepare(sched)
+    native = worker.runner.run(inputs)
+    with zen_layers.turned_off():
+        python = worker.runner.run(inputs)  # rewrites the same K/V into the same slots
+    return native, python
+
+
+def _start(worker, prompts, gen):
+    from trae_groups.engine.protocol import GenerateRequest
+
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    for i, n in enumerate(prompts):
+        prompt = torch.randint(3, 500, (n,), generator=gen).tolist()
+        worker.submit(GenerateRequest(f"r{n}-{i}", params, prompt=tuple(prompt)), lambda o: None)
+
+
+@pytest.mark.parametrize("family", sorted(LLM_FAMILIES))
+def test_decode_and_mixed_steps_give_the_python_loops_logits(wide_llms, family, monkeypatch):
+    """Prompt steps (long chunks: the Python loop), decodes past Mistral's 24-token window,
+    and a short prompt chunk beside decodes (the native loop), each run both ways."""
+    counted = Counted(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    seen = []
+    with stepped(
+        wide_llms[family], max_num_batched_tokens=64, long_prefill_token_threshold=64
+    ) as worker:
+        _start(worker, [30, 41, 7], gen)
+        for step in range(12):
+            if step == 9:
+                _start(worker, [5], gen)
+            worker._take_new_and_aborts()
+            sched = worker.scheduler.schedule()
+            inputs = worker.runner.prepare(sched)
+            whole = attention.native_rows(inputs.batch) is not None
+            before = counted.calls
+            native, python = _both(worker, sched)
+            assert counted.calls - before == whole, step
+            assert torch.equal(native, python), (step, (native - python).abs().max())
+            chunks = len(sched.prefills)
+            seen.append((whole, chunks > 0 and len(sched.decodes) > 0))
+            worker._postprocess(sched, *_sampled(worker, sched, native))
+    assert (False, False) in seen and (True, False) in seen  # prompt steps; decode steps
+    assert (True, True) in seen  # a short chunk beside decodes
+
+
+def _sampled(worker, sched, logits):
+    sampling = [item for item in sched.scheduled if item.samples]
+    return sampling, worker._sample(logits, sampling)
+
+
+def test_a_one_row_step_is_padded_as_in_the_python_loop(wide_llms, monkeypatch):
+    counted = Counted(monkeypatch)
+    with stepped(wide_llms["llama"]) as worker:
+        _start(worker, [20], torch.Generator().manual_seed(4))
+        for _ in range(3):
+            worker.step()
+        sched = worker.scheduler.schedule()
+        assert len(sched.decodes) == 1
+        native, python = _both(worker, sched)
+    assert counted.calls >= 1 and native.shape[0] == 1 and torch.equal(native, python)
+
+
+def test_a_generation_gets_the_same_tokens_and_logprobs_with_and_without_it(wide_llms, monkeypatch):
+    """Prompts cached first (a bf16 prompt step is not always the same bits run to run on a
+    loaded machine), then generated with the native loop and with the Python loop."""
+    counted = Counted(monkeypatch)
+    prompts = [list(range(5, 38)), list(range(300, 349)), list(range(40, 47))]
+    params = SamplingParams(max_tokens=30, ignore_eos=True, logprobs=0)
+    with engine({"m": wide_llms["qwen3"]}, dtype="bfloat16", fast_linear=True) as eng:
+        eng.generate(prompts, SamplingParams(max_tokens=1))
+        calls = counted.calls
+        native = eng.generate(prompts, params)
+        assert counted.calls > calls
+        monkeypatch.setattr(zen_layers, "library", lambda: None)
+        calls = counted.calls
+        python = eng.generate(prompts, params)
+        assert counted.calls == calls
+    for a, b in zip(native, python, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_unpacked_linears_keep_the_python_loop_and_model_info_says_which(wide_llms, monkeypatch):
+    counted = Counted(monkeypatch)
+    paths = {}
+    for fast in (True, False):
+        with engine({"m": wide_llms["llama"]}, dtype="bfloat16", fast_linear=fast) as eng:
+            calls = counted.calls
+            eng.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))
+            paths[fast] = (forward_path(eng.llms["m"].runner.model), counted.calls > calls)
+    assert paths[True] == ("trae (fused projections); linears: zentorch; layer loop: native", True)
+    assert paths[False] == ("trae (fused projections)", False)
