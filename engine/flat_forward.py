@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trae_groups.engine import native_layers
-from trae_groups.engine.native_layers import NativeLayers
+from trae_groups.engine.native_layers import NativeLayers, NativeLayersFailed
 from trae_groups.kernels import AttentionBackend, PagedBatch, attention, cpu_native, zen_calls
 
 # the model_type values whose layers this forward implements
@@ -218,6 +218,12 @@ class FlatForward(nn.Module):
         ``sample_rows`` is None), in the model's dtype. ``attend(layer, q, k, v, window,
         scale)`` stores the new K/V and returns attention [T, heads, dim]: the eager
         backend's (``paged_attend``) or a compiled step's."""
+        try:
+            return self._forward(input_ids, positions, sample_rows, attend, lora_active)
+        except NativeLayersFailed:  # logged, and off for this model: the step again in Python
+            return self._forward(input_ids, positions, sample_rows, attend, lora_active)
+
+    def _forward(self, input_ids, positions, sample_rows, attend: Attend, lora_active: bool):
         model, base = self._refs
         # A step of one row (a batch-1 decode) runs as two copies of it: zentorch's kernels
         # take a matrix-vector path for one row whose sums round apart from their matrix path

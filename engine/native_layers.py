@@ -15,9 +15,19 @@ Any other step runs the Python loop in ``FlatForward.forward``.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from trae_groups.kernels import cpu_native, zen_layers
+
+log = logging.getLogger("trae_groups.engine")
+
+
+class NativeLayersFailed(RuntimeError):
+    """A kernel of the native loop failed mid-step: the step's K/V rows and residual are
+    partly written, so the flat forward runs the whole step again in Python (its stores
+    rewrite the same slots) and this model keeps the Python loop from then on."""
 
 
 class NativeLayers:
@@ -26,13 +36,16 @@ class NativeLayers:
 
     def __init__(self) -> None:
         self._cached: tuple | None = None  # (key, table or None)
+        self.failed = False  # a kernel failed once: the Python loop from then on
 
     def run(self, flat, attend, x, residual, cos, sin) -> torch.Tensor | None:
         """Every layer of ``flat`` (a ``FlatForward``) over the step: the last MLP's output,
         with ``residual`` updated in place as the Python loop leaves it; None where the
         step or a layer is not what the native loop takes. ``attend`` is the eager step's
         ``PagedAttend``; ``cos`` and ``sin`` the step's rotary tables [T, 1, dim]."""
-        if not flat.zen_norms or x.dtype != torch.bfloat16 or not hasattr(attend, "native_rows"):
+        if self.failed or not flat.zen_norms or x.dtype != torch.bfloat16:
+            return None
+        if not hasattr(attend, "native_rows"):
             return None
         whole = attend.native_rows()
         if whole is None or zen_layers.library() is None or not _rotates(cos, sin):
@@ -72,7 +85,12 @@ class NativeLayers:
             page_s=page["strides"][0], tok_s=page["strides"][1], head_s=page["strides"][2],
             page_size=page["size"],
         )  # fmt: skip
-        zen_layers.run(step, layers, len(flat._layers))
+        try:
+            zen_layers.run(step, layers, len(flat._layers))
+        except RuntimeError as exc:
+            self.failed = True
+            log.exception("the native layer loop failed; this model's layers run in Python now")
+            raise NativeLayersFailed(str(exc)) from exc
         return out
 
     def _table(self, flat, kv) -> tuple | None:

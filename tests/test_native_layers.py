@@ -6,6 +6,9 @@ logit for logit with the loop, and a generation token for token and logprob for 
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -152,3 +155,37 @@ def test_unpacked_linears_keep_the_python_loop_and_model_info_says_which(wide_ll
             paths[fast] = (forward_path(eng.llms["m"].runner.model), counted.calls > calls)
     assert paths[True] == ("trae (fused projections); linears: zentorch; layer loop: native", True)
     assert paths[False] == ("trae (fused projections)", False)
+
+
+def test_the_switch_turns_the_native_loop_off():
+    code = "from trae_groups.kernels import zen_layers; print(zen_layers.library() is None)"
+    outs = {}
+    for value in ("0", "1"):
+        env = {**os.environ, zen_layers.ENV_SWITCH: value}
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        outs[value] = done.stdout.strip() or done.stderr
+    assert outs == {"0": "True", "1": "False"}
+
+
+def test_a_failed_native_step_runs_again_in_python_and_the_model_keeps_python(
+    wide_llms, monkeypatch
+):
+    def fails(*args):
+        raise RuntimeError("a native decoder layer failed (zentorch error 1)")
+
+    with stepped(wide_llms["qwen3"]) as worker:
+        _start(worker, [20, 9], torch.Generator().manual_seed(5))
+        for _ in range(3):
+            worker.step()
+        worker._take_new_and_aborts()
+        sched = worker.scheduler.schedule()
+        inputs = worker.runner.prepare(sched)
+        with zen_layers.turned_off():
+            want = worker.runner.run(inputs)
+        monkeypatch.setattr(zen_layers, "run", fails)
+        got = worker.runner.run(inputs)
+        assert worker.runner.flat.native.failed
+        monkeypatch.undo()
+        counted = Counted(monkeypatch)
+        again = worker.runner.run(inputs)
+    assert torch.equal(got, want) and torch.equal(again, want) and counted.calls == 0

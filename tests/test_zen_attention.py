@@ -26,6 +26,11 @@ CASES = {
     "a chunk over its cached prefix": ([40], [150]),
     "chunks over prefixes, one padded call": ([40, 40, 36], [90, 70, 80]),
     "decodes beside a long chunk": ([1, 1, 48], [30, 7, 90]),
+    # longer than 2 * QUERY_BLOCK: the rows go in blocks over the keys they may see
+    "one long fresh prompt": ([300], [300]),
+    "long fresh prompts, one padded call": ([300, 260, 290], [300, 260, 290]),
+    "a long chunk over its cached prefix": ([200], [330]),
+    "long chunks over prefixes, one padded call": ([200, 150, 180], [260, 300, 180]),
 }
 
 
@@ -85,3 +90,21 @@ def test_other_kv_dtypes_stay_on_torch():
     assert zen_attention.supports(q, q)
     assert not zen_attention.supports(q, q.bfloat16())
     assert not zen_attention.supports(q.half(), q.half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_q,n_k", [(512, 512), (300, 300), (200, 330), (129, 700), (259, 391)])
+def test_causal_blocks_give_the_whole_squares_bits(n_q, n_k, dtype):
+    """``sdpa_causal`` leaves out only keys its rows' mask hides: the output is the bits of
+    one call over the whole square."""
+    gen = torch.Generator().manual_seed(n_q)
+    if dtype not in zen_attention._dtypes():
+        pytest.skip(f"zentorch's SDPA does not run {dtype} here")
+    q, k, v = (torch.randn(2, h, n, 64, generator=gen).to(dtype)
+               for h, n in ((9, n_q), (3, n_k), (3, n_k)))  # fmt: skip
+    rows = torch.arange(n_k - n_q, n_k)[:, None]
+    bias = torch.zeros(n_q, n_k, dtype=dtype)
+    bias.masked_fill_(torch.arange(n_k)[None, :] > rows, float("-inf"))
+    bias = bias[None, None]
+    whole = zen_attention.sdpa(q, k, v, 0.125, mask=bias)
+    assert torch.equal(zen_attention.sdpa_causal(q, k, v, 0.125, bias, n_k - n_q), whole)

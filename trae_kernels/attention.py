@@ -181,9 +181,13 @@ def gather_kv(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, pages).flatten(0, 1)
 
 
-def _prefill_mask(n_q: int, n_k: int, window: int | None, device) -> torch.Tensor | None:
-    """Causal mask aligned bottom-right (queries are the last n_q of n_k positions)."""
-    if n_q == n_k and window is None:
+def _prefill_mask(
+    n_q: int, n_k: int, window: int | None, device, explicit: bool = False
+) -> torch.Tensor | None:
+    """Causal mask aligned bottom-right (queries are the last n_q of n_k positions); None
+    where a kernel's causal flag says the same (a fresh prompt, no window), unless
+    ``explicit``."""
+    if n_q == n_k and window is None and not explicit:
         return None
     q_pos = torch.arange(n_k - n_q, n_k, device=device)[:, None]
     k_pos = torch.arange(n_k, device=device)[None, :]
@@ -313,8 +317,12 @@ def _prefill_padded(query, k_cache, v_cache, batch, plan, scale, window, gqa, ou
     q = query.index_select(0, rows.reshape(-1)).view(*rows.shape, *query.shape[1:])
     if zen_attention.supports(q, k):
         bias = batch.additive_mask(("prefill", window), mask, q.dtype)
-        o = zen_attention.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale,
-                               mask=bias)  # fmt: skip
+        starts, nd = batch.query_starts, batch.num_decodes
+        # a padded row r sees no key past (its context - its chunk) + r: the most of those
+        offset = max(batch.context_lens[s] - (starts[s + 1] - starts[s])
+                     for s in range(nd, batch.num_seqs))  # fmt: skip
+        o = zen_attention.sdpa_causal(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                      scale, bias, offset)  # fmt: skip
     else:
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
@@ -413,12 +421,14 @@ def _zen_chunk(query, key, value, k_cache, v_cache, batch, s, scale, window) -> 
     else:
         pages = batch.block_tables[s, : -(-n_k // batch.tokens_per_page)]
         k, v = gather_kv(k_cache, pages)[:n_k], gather_kv(v_cache, pages)[:n_k]
-    bool_mask = _prefill_mask(n_q, n_k, window, query.device)
-    bias = None
-    if bool_mask is not None:
+    k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    blocked = n_q > 2 * zen_attention.QUERY_BLOCK
+    bool_mask = _prefill_mask(n_q, n_k, window, query.device, explicit=blocked)
+    if bool_mask is None:  # a short fresh prompt: the kernel's own (top-left) causal flag
+        o = zen_attention.sdpa(q, k, v, scale, causal=True)
+    else:
         bias = batch.additive_mask(("chunk", s, window), bool_mask, q.dtype)
-    o = zen_attention.sdpa(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale,
-                           causal=bias is None, mask=bias)  # fmt: skip
+        o = zen_attention.sdpa_causal(q, k, v, scale, bias, n_k - n_q)
     return o[0].transpose(0, 1)
 
 
