@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from trae_groups.kernels import cpu_native, zen_layers
+from trae_groups.kernels import cpu_native, zen_calls, zen_layers
 
 log = logging.getLogger("trae_groups.engine")
 
@@ -53,6 +53,8 @@ class NativeLayers:
         table = self._table(flat, attend.kv)
         if table is None:
             return None
+        if not (x.is_contiguous() and residual.is_contiguous()):
+            return None
         row_seq, row_pos = whole
         t = x.shape[0]
         attn_rows = 1 if flat.padded else t  # a padded step's copy row does not attend
@@ -74,7 +76,7 @@ class NativeLayers:
         step = zen_layers.Step(
             rows=t, attn_rows=attn_rows, hidden=x.shape[1], heads=flat.heads,
             kv_heads=flat.kv_heads, dim=d, inter=first.intermediate,
-            head_norms=flat.kind == "qwen3", dtype=zen_layers.bf16_code(),
+            head_norms=flat.kind == "qwen3", dtype=zen_calls.dtype_code(torch.bfloat16),
             threads=torch.get_num_threads(), eps=page["eps"], scale=flat.scale,
             x0=x.data_ptr(), out=out.data_ptr(), residual=residual.data_ptr(),
             qkv=qkv.data_ptr(), normed=normed.data_ptr(), rotated=rotated.data_ptr(),

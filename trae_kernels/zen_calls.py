@@ -94,6 +94,11 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+def dtype_code(dtype: torch.dtype) -> int:
+    """torch's C shim code for ``dtype`` (bound when the shims load)."""
+    return _dtype_codes[dtype]
+
+
 def _matrix(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride(1) == 1 and t.dtype in _dtype_codes and t.device.type == "cpu"
 

@@ -114,13 +114,6 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
-def bf16_code() -> int:
-    """The dtype code zentorch's shims take for bf16 (zen_calls binds it)."""
-    import torch
-
-    return zen_calls._dtype_codes[torch.bfloat16]
-
-
 def run(step: Step, layers: ctypes.Array, n_layers: int) -> None:
     """Every layer over the step (``library()`` must have returned the library)."""
     err = _lib.decoder_layers_bf16(ctypes.byref(step), layers, n_layers)
