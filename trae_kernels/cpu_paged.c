@@ -498,6 +498,18 @@ void silu_mul_bf16(const bf16 *gu, int64_t rows, int64_t gu_rs, int64_t n, bf16 
     }
 }
 
+/* x[r, i] = bf16(x[r, i] * w[i]) in place, rows of ``width`` (Qwen3's per-head norm weights
+ * after its weightless norm, trae_kernels/zen_layers.c): torch's bf16 product's rounding */
+void mul_rows_bf16(bf16 *x, int64_t rows, const bf16 *w, int64_t width) {
+    for (int64_t r = 0; r < rows; r++) {
+        bf16 *row = x + r * width;
+        int64_t i = 0;
+        for (; i + 16 <= width; i += 16)
+            store16_bf16(row + i, _mm512_mul_ps(load16_bf16(row + i), load16_bf16(w + i)));
+        for (; i < width; i++) row[i] = f32_to_bf16(bf16_to_f32(row[i]) * bf16_to_f32(w[i]));
+    }
+}
+
 /* out[t, h] = bf16(bf16(x * cos) + swapped(x) * ssin), x = x_[t * x_rs + h * dim], cos and
  * ssin [t * cs_rs]; out packed [t, heads, dim]; dim % 32 == 0 */
 void rotate_bf16(const bf16 *x_, int64_t tokens, int64_t x_rs, int64_t heads, int64_t dim,

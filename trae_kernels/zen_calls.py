@@ -7,26 +7,20 @@ ops, which compute the same bits."""
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import subprocess
-import threading
 from pathlib import Path
 
 import torch
 
 from trae_groups.kernels import cpu_native
+from trae_groups.kernels.load_once import LoadOnce
 from trae_groups.kernels.zen_attention import ZEN_OP_NAME
-
-log = logging.getLogger("trae_groups.kernels")
 
 SOURCE = Path(__file__).with_name("zen_calls.c")
 ENV_SWITCH = "TRAE_ZEN_SHIMS"  # "0": zentorch's dispatcher ops (they leak) instead
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
 _dtype_codes: dict[torch.dtype, int] = {}
 
 
@@ -73,25 +67,16 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
+_loaded = LoadOnce(
+    _load,
+    (ImportError, OSError, AttributeError, RuntimeError, subprocess.SubprocessError),
+    "zentorch called through torch's dispatcher (it leaks per call)",
+)
+
+
 def library() -> ctypes.CDLL | None:
     """The loaded shims' caller, or None where it cannot be had (the reason logged once)."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            try:
-                _lib = _load()
-            except (
-                ImportError,
-                OSError,
-                AttributeError,
-                RuntimeError,
-                subprocess.SubprocessError,
-            ) as exc:
-                log.info("zentorch called through torch's dispatcher (it leaks per call): %s", exc)
-            _tried = True
-    return _lib
+    return _loaded.get()
 
 
 def dtype_code(dtype: torch.dtype) -> int:

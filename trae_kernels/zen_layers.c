@@ -38,6 +38,7 @@ typedef void (*attend_fn)(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
                           int64_t window, bf16 *out, int64_t out_rs, int nthreads);
 typedef void (*silu_fn)(const bf16 *gu, int64_t rows, int64_t gu_rs, int64_t n, bf16 *out,
                         int64_t out_rs, int threads);
+typedef void (*mul_fn)(bf16 *x, int64_t rows, const bf16 *w, int64_t width);
 
 static linear_fn linear;
 static add_norm_fn add_norm;
@@ -46,9 +47,10 @@ static rotate_fn rotate;
 static store_fn store;
 static attend_fn attend;
 static silu_fn silu_mul;
+static mul_fn mul_rows;
 
 void layers_bind(void *linear_f, void *add_norm_f, void *norm_f, void *rotate_f,
-                 void *store_f, void *attend_f, void *silu_f) {
+                 void *store_f, void *attend_f, void *silu_f, void *mul_f) {
     linear = (linear_fn)linear_f;
     add_norm = (add_norm_fn)add_norm_f;
     norm = (norm_fn)norm_f;
@@ -56,6 +58,7 @@ void layers_bind(void *linear_f, void *add_norm_f, void *norm_f, void *rotate_f,
     store = (store_fn)store_f;
     attend = (attend_fn)attend_f;
     silu_mul = (silu_fn)silu_f;
+    mul_rows = (mul_fn)mul_f;
 }
 
 /* One step's shapes and buffers (trae_kernels/zen_layers.py's ``Step`` mirrors it). */
@@ -87,19 +90,6 @@ typedef struct {
     int64_t window;           /* 0: none */
 } Layer;
 
-static inline float bf16_to_f32(bf16 x) {
-    union { uint32_t u; float f; } v = {(uint32_t)x << 16};
-    return v.f;
-}
-
-static inline bf16 f32_to_bf16(float f) { /* round to nearest even, NaN kept NaN */
-    union { float f; uint32_t u; } v = {f};
-    uint32_t u = v.u;
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
-}
-
 /* Qwen3's head norms as flat_forward._head_norms runs them: the q and k heads copied packed,
  * normalized without weight, then multiplied by their weights (rounded once more). */
 static int32_t head_norms(const Step *s, const Layer *l) {
@@ -111,12 +101,7 @@ static int32_t head_norms(const Step *s, const Layer *l) {
     int32_t err = norm(packed, normed, s->rows * heads, s->dim, (int32_t)s->dtype,
                        sizeof(bf16), l->head_ones, s->eps);
     if (err) return err;
-    const bf16 *w = (const bf16 *)l->head_w;
-    for (int64_t r = 0; r < s->rows; r++) {
-        bf16 *row = normed + r * width;
-        for (int64_t i = 0; i < width; i++)
-            row[i] = f32_to_bf16(bf16_to_f32(row[i]) * bf16_to_f32(w[i]));
-    }
+    mul_rows(normed, s->rows, (const bf16 *)l->head_w, width);
     return 0;
 }
 

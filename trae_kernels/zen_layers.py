@@ -12,24 +12,18 @@ with the same arguments, so its results are the Python loop's bits. Built on fir
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import subprocess
-import threading
 from pathlib import Path
 
 from trae_groups.kernels import cpu_native, zen_calls
+from trae_groups.kernels.load_once import LoadOnce
 from trae_groups.kernels.thread_switch import ThreadSwitch
-
-log = logging.getLogger("trae_groups.kernels")
 
 SOURCE = Path(__file__).with_name("zen_layers.c")
 ENV_SWITCH = "TRAE_NATIVE_LAYERS"  # "0": the flat forward's Python loop
 _i64, _ptr, _f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
 _switch = ThreadSwitch()
 turned_off = _switch.turned_off  # this thread runs the Python loop meanwhile (tests)
 
@@ -81,7 +75,7 @@ def _load() -> ctypes.CDLL:
     if zen is None or native is None or not hasattr(native, "silu_mul_bf16"):
         raise RuntimeError("needs zentorch's C shims and the AVX-512 build of cpu_paged.c")
     lib = ctypes.CDLL(str(cpu_native.build(cpu_native.compiler(), SOURCE)))
-    lib.layers_bind.argtypes = [_ptr] * 7
+    lib.layers_bind.argtypes = [_ptr] * 8
     lib.layers_bind.restype = None
     lib.layers_bind(
         _address(zen, "zen_linear"),
@@ -91,31 +85,28 @@ def _load() -> ctypes.CDLL:
         _address(native, "store_kv_bf16"),
         _address(native, "decode_attention_bf16"),
         _address(native, "silu_mul_bf16"),
+        _address(native, "mul_rows_bf16"),
     )
     lib.decoder_layers_bf16.argtypes = [ctypes.POINTER(Step), ctypes.POINTER(Layer), _i64]
     lib.decoder_layers_bf16.restype = ctypes.c_int32
     return lib
 
 
+_loaded = LoadOnce(
+    _load,
+    (OSError, AttributeError, RuntimeError, subprocess.SubprocessError),
+    "the flat forward's layers loop in Python",
+)
+
+
 def library() -> ctypes.CDLL | None:
-    """The loaded layer loop, or None where it cannot be had (the reason logged once)."""
-    global _lib, _tried
-    if _switch.off:
-        return None
-    if _tried:
-        return _lib
-    with _lock:
-        if not _tried:
-            try:
-                _lib = _load()
-            except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as exc:
-                log.info("flat forward's layers loop in Python: %s", exc)
-            _tried = True
-    return _lib
+    """The loaded layer loop, or None where it cannot be had (the reason logged once) or
+    this thread turned it off."""
+    return None if _switch.off else _loaded.get()
 
 
 def run(step: Step, layers: ctypes.Array, n_layers: int) -> None:
     """Every layer over the step (``library()`` must have returned the library)."""
-    err = _lib.decoder_layers_bf16(ctypes.byref(step), layers, n_layers)
+    err = _loaded.get().decoder_layers_bf16(ctypes.byref(step), layers, n_layers)
     if err:
         raise RuntimeError(f"a native decoder layer failed (zentorch error {err})")
