@@ -82,6 +82,7 @@ DESCRIPTIONS: dict[str, str] = {
     "repetition_penalty": "divide the logits of tokens already seen (1 = off)",
     "seed": "a seed makes sampling reproducible whatever shares the batch",
     "stop": "strings that end the generation (not included in the text)",
+    "ignore_eos": "keep generating past the end-of-sequence token, up to max_tokens",
     "logprobs": "also return this many top alternatives per token",
     "prompt_logprobs": "score the prompt: each prompt token's logprob and this many alternatives",
     "logit_bias": "added to a token's logit before sampling (-100 bans it, 100 all but forces it)",

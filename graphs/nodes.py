@@ -309,6 +309,7 @@ class GenerateParams(Spec):
     min_p: float = sampling_field("min_p")
     repetition_penalty: float = sampling_field("repetition_penalty")
     stop: NameList = sampling_field("stop")
+    ignore_eos: bool = sampling_field("ignore_eos")
     seed: int | None = sampling_field("seed")
     speculative: bool = sampling_field("speculative")
 

@@ -45,6 +45,7 @@ ROWS: dict[str, dict[str, Any]] = {
         "min_p": 0.05,
         "repetition_penalty": 1.3,
         "stop": ["zq"],
+        "ignore_eos": True,
         "seed": 1234,
         "speculative": False,
     },

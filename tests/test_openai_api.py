@@ -46,7 +46,7 @@ models:
   teller: {{source: {root}/llama, task: generate}}
 inputs: {{history: messages}}
 nodes:
-  tell: {{model: teller, messages: "{{{{ inputs.history }}}}", params: {{max_tokens: 900}}}}
+  tell: {{model: teller, messages: "{{{{ inputs.history }}}}", params: {{max_tokens: 900, ignore_eos: true}}}}
 outputs: {{story: tell.text}}
 """
 MESSAGES = [
@@ -235,7 +235,8 @@ def test_leaving_a_stream_early_aborts_and_frees_pages(client, server, target):
     generated = worker.counters.generated
     messages = [{"role": "user", "content": "Once upon a time"}]
     with client.chat.completions.create(
-        model=target, messages=messages, max_tokens=900, stream=True
+        model=target, messages=messages, max_tokens=900, stream=True,
+        extra_body={"ignore_eos": True},
     ) as stream:
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:

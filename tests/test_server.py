@@ -78,7 +78,7 @@ models:
   dialog: {{source: {root}/dialog, task: generate}}
 inputs: {{text: str}}
 nodes:
-  tell: {{model: dialog, prompt: "{{{{ inputs.text }}}}", params: {{max_tokens: 900, temperature: 0}}}}
+  tell: {{model: dialog, prompt: "{{{{ inputs.text }}}}", params: {{max_tokens: 900, temperature: 0, ignore_eos: true}}}}
 outputs: {{story: tell.text}}
 """
 HELD = """

@@ -125,7 +125,7 @@ class _Sampling(Structured):
     repetition_penalty: float = sampling_field("repetition_penalty")
     stop: str | list[str] | None = None
     seed: int | None = sampling_field("seed")
-    ignore_eos: bool = Field(False, description="extension: keep generating past EOS")
+    ignore_eos: bool = sampling_field("ignore_eos")  # extension
     speculative: bool = sampling_field("speculative")  # extension: opt out with false
     timeout: float | None = Field(
         None, gt=0, description="extension: seconds to the request's deadline (docs/serving.md)"
