@@ -9,7 +9,7 @@ Qwen2, Qwen3) the engine runs this forward instead, over the same weights:
   for oneDNN where it pays); the separate weights are dropped, so memory stays what the
   model needs;
 * RMSNorm is torch's fused op, the residual add done in place before it (zentorch's fused
-  add-and-norm where zentorch packs the linears);
+  add-and-norm beside packed linears where zentorch loads);
 * rotary cos/sin are computed once per step (the model's own rotary module, so every
   scaling type it knows stays exact) and applied to q and k at once;
 * SiLU-and-multiply reads the fused gate/up output once;
@@ -199,7 +199,7 @@ class FlatForward(nn.Module):
                 )
             )  # fmt: skip
         self.scale = self.head_dim**-0.5
-        self.zen_norms = False  # set per step: zentorch's norms beside zentorch's linears
+        self.zen_norms = False  # set per step: zentorch's norms beside packed linears
         self.native = NativeLayers()  # the layer loop in one native call, where it applies
 
     @property
@@ -347,13 +347,14 @@ def _zen_add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Mod
 
 
 def _norms_for(projection: nn.Module) -> tuple[Callable, Callable]:
-    """The RMSNorm pair beside these linears: zentorch's where zentorch packs them (AMD: 61
-    norms of a SmolLM2 step in 0.49 against 1.53 ms at 1 row, 3.7 against 14.6 at 512, bf16,
-    Zen 4; bench/zentorch_linear.py), torch's otherwise and while compiling (the eager
-    kernels are what was measured)."""
-    from trae_groups.engine.fast_linear import PackedLinear
+    """The RMSNorm pair beside these linears: zentorch's where the linears are packed (by
+    zentorch or oneDNN) and zentorch loads, torch's otherwise and while compiling (the eager
+    kernels are what was measured). zentorch's took 61 norms of a SmolLM2 step in 0.49 against
+    1.53 ms at 1 row, 3.7 against 14.6 at 512 (bf16, Zen 4), and 0.32 against 0.84 ms at 2
+    rows, 10 against 62 at 2,048 on an Intel Xeon with AMX (bench/zentorch_linear.py)."""
+    from trae_groups.engine.fast_linear import PackedLinear, zentorch_available
 
-    zen = isinstance(projection, PackedLinear) and projection.library == "zentorch"
+    zen = isinstance(projection, PackedLinear) and zentorch_available()
     if zen and not torch.compiler.is_compiling():
         return _zen_rms_norm, _zen_add_rms_norm
     return _rms_norm, _add_rms_norm
@@ -369,7 +370,7 @@ def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, rotate-half form (transformers' ``apply_rotary_pos_emb``), exactly:
     rotate_half(x) * sin == cat(x2, x1) * ``_signed_sin(sin)``. x [T, heads, dim]; cos and
-    signed_sin [T, 1, dim]. In bf16 on AVX-512 one native pass gives the same bits."""
+    signed_sin [T, 1, dim]. In bf16 or float32 on AVX-512 one native pass gives the same bits."""
     rotated = cpu_native.rotate(x, cos, signed_sin)
     if rotated is not None:
         return rotated

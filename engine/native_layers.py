@@ -6,10 +6,12 @@ ctypes and allocation besides the glue between them. Run from C
 and the step's forward took 31.9 against 42.2 ms at batch 32 and 11.5 against 17.1 ms at
 batch 1 (SmolLM2-135M, bf16, Zen 4; docs/performance.md).
 
-It takes a step when: the linears are bf16 packed for zentorch (its norms beside them), no
-LoRA row is in the step and no linear is wrapped, the K/V pages are bf16, head size and MLP
-width fit the AVX-512 rotation and SiLU kernels, and the step's attention is the native
-paged kernel's for every row (``attention.native_rows``: decodes and short prompt chunks).
+It takes a step when: the linears are bf16 or float32, all packed by zentorch or all by
+oneDNN (zentorch's norms beside them), no LoRA row is in the step and no linear is wrapped,
+no linear would take its float32 path for many rows (``fast_linear.UPCAST_ROWS``), the K/V
+pages have the linears' dtype, head size and MLP width fit the AVX-512 rotation and SiLU kernels, and the step's
+attention is the native paged kernel's for every row (``attention.native_rows``: decodes and
+short prompt chunks).
 Any other step runs the Python loop in ``FlatForward.forward``.
 """
 
@@ -19,7 +21,8 @@ import logging
 
 import torch
 
-from trae_groups.kernels import cpu_native, zen_calls, zen_layers
+from trae_groups.engine.fast_linear import UPCAST_ROWS, PackedLinear
+from trae_groups.kernels import cpu_native, onednn_calls, torch_shim, zen_layers
 
 log = logging.getLogger("trae_groups.engine")
 
@@ -43,12 +46,13 @@ class NativeLayers:
         with ``residual`` updated in place as the Python loop leaves it; None where the
         step or a layer is not what the native loop takes. ``attend`` is the eager step's
         ``PagedAttend``; ``cos`` and ``sin`` the step's rotary tables [T, 1, dim]."""
-        if self.failed or not flat.zen_norms or x.dtype != torch.bfloat16:
+        kind = zen_layers.step_kind(x.dtype)
+        if self.failed or not flat.zen_norms or kind is None:
             return None
         if not hasattr(attend, "native_rows"):
             return None
         whole = attend.native_rows()
-        if whole is None or zen_layers.library() is None or not _rotates(cos, sin):
+        if whole is None or zen_layers.library() is None or not _rotates(cos, sin, x.dtype):
             return None
         table = self._table(flat, attend.kv)
         if table is None:
@@ -62,6 +66,8 @@ class NativeLayers:
         if row_seq.shape[0] != attn_rows or batch.slot_mapping.shape[0] != attn_rows:
             return None
         layers, page = table
+        if page["upcasts"] and x.shape[0] >= UPCAST_ROWS:
+            return None
         first, d = flat._layers[0], flat.head_dim
         qk_heads = flat.heads + flat.kv_heads
         out = torch.empty_like(x)
@@ -76,8 +82,9 @@ class NativeLayers:
         step = zen_layers.Step(
             rows=t, attn_rows=attn_rows, hidden=x.shape[1], heads=flat.heads,
             kv_heads=flat.kv_heads, dim=d, inter=first.intermediate,
-            head_norms=flat.kind == "qwen3", dtype=zen_calls.dtype_code(torch.bfloat16),
-            threads=torch.get_num_threads(), eps=page["eps"], scale=flat.scale,
+            head_norms=flat.kind == "qwen3", dtype=torch_shim.dtype_code(x.dtype),
+            threads=torch.get_num_threads(), kind=kind[0], elem=kind[1],
+            library=page["library"], eps=page["eps"], scale=flat.scale,
             x0=x.data_ptr(), out=out.data_ptr(), residual=residual.data_ptr(),
             qkv=qkv.data_ptr(), normed=normed.data_ptr(), rotated=rotated.data_ptr(),
             attn=attn.data_ptr(), gate_up=gate_up.data_ptr(), act=act.data_ptr(),
@@ -106,10 +113,10 @@ class NativeLayers:
         return self._cached[1]
 
 
-def _rotates(cos: torch.Tensor, signed_sin: torch.Tensor) -> bool:
+def _rotates(cos: torch.Tensor, signed_sin: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the native rotation takes these tables (``cpu_native.rotate``'s conditions)."""
     return (
-        cos.dtype == signed_sin.dtype == torch.bfloat16
+        cos.dtype == signed_sin.dtype == dtype
         and cos.shape == signed_sin.shape
         and cos.stride() == signed_sin.stride()
         and cos.stride(2) == 1
@@ -126,10 +133,8 @@ def modules_of(flat) -> tuple:
 
 
 def takes_model(flat) -> bool:
-    """Whether the native loop takes this model's layers (its steps still need bf16 pages
-    and native attention): for ``trae model info``."""
-    from trae_groups.engine.fast_linear import PackedLinear
-
+    """Whether the native loop takes this model's layers (its steps still need pages of the
+    model's dtype and native attention): for ``trae model info``."""
     if zen_layers.library() is None:
         return False
     first = flat._layers[0]
@@ -138,10 +143,14 @@ def takes_model(flat) -> bool:
     group_limit, dim_limit = cpu_native.limits()
     if flat.heads // flat.kv_heads > group_limit or flat.head_dim > dim_limit:
         return False
-    return all(
-        type(m) is PackedLinear and m.library == "zentorch" and m.dtype == torch.bfloat16
-        for linears in modules_of(flat)
-        for m in linears
+    linears = [m for layer in modules_of(flat) for m in layer]
+    if not all(type(m) is PackedLinear for m in linears):
+        return False
+    dtype, library = linears[0].dtype, linears[0].library
+    return (
+        zen_layers.step_kind(dtype) is not None
+        and zen_layers.linear_library(library) is not None
+        and all(m.library == library and m.dtype == dtype for m in linears)
     )
 
 
@@ -151,10 +160,17 @@ def _build(flat, kv, modules) -> tuple | None:
     if not takes_model(flat):
         return None
     rows = (zen_layers.Layer * len(flat._layers))()
-    eps, pages, held = set(), set(), []
+    dtype, library = modules[0][0].dtype, modules[0][0].library
+    # oneDNN's caller takes each packed weight as a tensor handle, zentorch's its address
+    handles = onednn_calls.WeightHandles() if library == "onednn" else None
+
+    def weight_of(m) -> int:
+        return m.packed_weight.data_ptr() if handles is None else handles.of(m.packed_weight)
+
+    eps, pages, held = set(), set(), [handles]
     for i, (layer, linears) in enumerate(zip(flat._layers, modules, strict=True)):
         k_cache, v_cache = kv.k[i], kv.v[i]
-        plain = isinstance(k_cache, torch.Tensor) and k_cache.dtype == torch.bfloat16
+        plain = isinstance(k_cache, torch.Tensor) and k_cache.dtype == dtype
         if not plain or not cpu_native.stores(k_cache, k_cache, v_cache):
             return None
         block = layer.block
@@ -163,11 +179,13 @@ def _build(flat, kv, modules) -> tuple | None:
         eps.update(n.variance_epsilon for n in norms)
         tensors = [n.weight for n in norms]
         for m in linears:
-            tensors += [m.packed_weight] + ([] if m.bias is None else [m.bias])
+            tensors += ([m.packed_weight] if handles is None else []) + (
+                [] if m.bias is None else [m.bias]
+            )
         row = rows[i]
         row.in_norm, row.post_norm = (n.weight.data_ptr() for n in norms)
         for name, m in zip(("qkv", "o", "gate_up", "down"), linears, strict=True):
-            setattr(row, f"{name}_w", m.packed_weight.data_ptr())
+            setattr(row, f"{name}_w", weight_of(m))
             setattr(row, f"{name}_b", None if m.bias is None else m.bias.data_ptr())
         row.k_cache, row.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
         row.window = layer.window or 0
@@ -177,10 +195,14 @@ def _build(flat, kv, modules) -> tuple | None:
             eps.update((attn.q_norm.variance_epsilon, attn.k_norm.variance_epsilon))
             row.head_w, row.head_ones = weight.data_ptr(), ones.data_ptr()
             tensors += [weight, ones]
-        if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in tensors):
+        if not all(w.dtype == dtype and w.is_contiguous() for w in tensors):
             return None
         held.append(tensors)
     if len(eps) != 1 or len(pages) != 1:
         return None
     strides, size = pages.pop()
-    return rows, {"eps": eps.pop(), "strides": strides, "size": size, "held": held}
+    upcasts = any(m.plain_weight is not None for linears in modules for m in linears)
+    return rows, {
+        "eps": eps.pop(), "strides": strides, "size": size, "held": held,
+        "library": zen_layers.linear_library(library), "upcasts": upcasts,
+    }  # fmt: skip

@@ -139,5 +139,34 @@ def test_rotate_gives_the_torch_rotations_bits_on_a_strided_view(tokens):
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
-def test_pointwise_kernels_leave_float32_to_torch():
-    assert not cpu_native.pointwise(torch.zeros(1))
+@needs_pointwise
+@pytest.mark.parametrize("rows", [0, 1, 7, 33, 300])
+def test_float32_silu_mul_is_torchs_within_its_exp(rows):
+    """float32 has no rounding to hide a last-bit difference: the kernel's exp is its own
+    polynomial, so the values are torch's within a few ulp (inf and nan where torch's are)."""
+    import torch.nn.functional as F
+
+    gate_up = _wide_bf16(rows, 2 * 96).float() * 0.5
+    want = F.silu(gate_up[:, :96]).mul_(gate_up[:, 96:])
+    got = cpu_native.silu_mul(gate_up, 96)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30, equal_nan=True)
+
+
+@needs_pointwise
+@pytest.mark.parametrize("tokens", [0, 1, 5, 300])
+def test_float32_rotate_is_two_products_and_a_sum(tokens):
+    from trae_groups.engine.flat_forward import _signed_sin
+
+    qkv = _wide_bf16(tokens, 7 * 64 + 64).float()
+    qk = qkv[:, : 7 * 64].view(tokens, 7, 64)
+    cos, sin = torch.randn(2, tokens, 1, 64)
+    signed = _signed_sin(sin)
+    want = qk * cos + torch.cat((qk[..., 32:], qk[..., :32]), -1) * signed
+    got = cpu_native.rotate(qk, cos, signed)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_pointwise_kernels_leave_other_dtypes_to_torch():
+    assert not cpu_native.pointwise(torch.zeros(1, dtype=torch.float16))
+    assert not cpu_native.pointwise(torch.zeros(1, dtype=torch.float64))

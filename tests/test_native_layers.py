@@ -1,7 +1,8 @@
 """The flat forward's layer stack in one native call (trae_kernels/zen_layers.py) gives the
-Python loop's bits: the same kernels with the same arguments, from C. Where it runs (bf16
-weights packed for zentorch, the AVX-512 kernels built) every family's steps are compared
-logit for logit with the loop, and a generation token for token and logprob for logprob."""
+Python loop's bits: the same kernels with the same arguments, from C. Where it runs (bf16 or
+float32 weights packed for zentorch or oneDNN, the AVX-512 kernels built) every family's steps
+are compared logit for logit with the loop in both dtypes and with both linear libraries, and
+a generation token for token and logprob for logprob."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import torch
 from test_engine import engine
 
 from conftest import LLM_FAMILIES, build_llm
+from trae_groups.engine import native_layers
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.engine import LLMEngine
+from trae_groups.engine.fast_linear import linear_library
 from trae_groups.engine.flat_forward import forward_path
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.kernels import attention, zen_layers
@@ -37,9 +40,9 @@ def wide_llms(tmp_path_factory) -> dict:
 
 
 @contextlib.contextmanager
-def stepped(path, **cfg) -> Iterator:
+def stepped(path, dtype="bfloat16", **cfg) -> Iterator:
     """An engine's worker that the test steps itself (no loop thread)."""
-    eng = LLMEngine({"m": path}, EngineConfig(dtype="bfloat16", fast_linear=True,
+    eng = LLMEngine({"m": path}, EngineConfig(dtype=dtype, fast_linear=True,
                                               pool_bytes=8 << 20, **cfg))  # fmt: skip
     eng.size_pool()
     try:
@@ -80,16 +83,26 @@ def _start(worker, prompts, gen):
         worker.submit(GenerateRequest(f"r{n}-{i}", params, prompt=tuple(prompt)), lambda o: None)
 
 
+DTYPES = ("bfloat16", "float32")
+
+
+@pytest.mark.parametrize("library", ["zentorch", "onednn"])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("family", sorted(LLM_FAMILIES))
-def test_decode_and_mixed_steps_give_the_python_loops_logits(wide_llms, family, monkeypatch):
+def test_decode_and_mixed_steps_give_the_python_loops_logits(
+    wide_llms, family, dtype, library, monkeypatch
+):
     """Prompt steps (long chunks: the Python loop), decodes past Mistral's 24-token window,
-    and a short prompt chunk beside decodes (the native loop), each run both ways."""
+    and a short prompt chunk beside decodes (the native loop), each run both ways, with the
+    linears packed by either library (each runs on either vendor's CPUs)."""
     counted = Counted(monkeypatch)
     gen = torch.Generator().manual_seed(3)
     seen = []
     with stepped(
-        wide_llms[family], max_num_batched_tokens=64, long_prefill_token_threshold=64
-    ) as worker:
+        wide_llms[family], dtype, max_num_batched_tokens=64, long_prefill_token_threshold=64,
+        linear_library=library,
+    ) as worker:  # fmt: skip
+        assert {m.library for m in native_layers.modules_of(worker.runner.flat)[0]} == {library}
         _start(worker, [30, 41, 7], gen)
         for step in range(12):
             if step == 9:
@@ -114,9 +127,10 @@ def _sampled(worker, sched, logits):
     return sampling, worker._sample(logits, sampling)
 
 
-def test_a_one_row_step_is_padded_as_in_the_python_loop(wide_llms, monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_one_row_step_is_padded_as_in_the_python_loop(wide_llms, dtype, monkeypatch):
     counted = Counted(monkeypatch)
-    with stepped(wide_llms["llama"]) as worker:
+    with stepped(wide_llms["llama"], dtype) as worker:
         _start(worker, [20], torch.Generator().manual_seed(4))
         for _ in range(3):
             worker.step()
@@ -126,13 +140,16 @@ def test_a_one_row_step_is_padded_as_in_the_python_loop(wide_llms, monkeypatch):
     assert counted.calls >= 1 and native.shape[0] == 1 and torch.equal(native, python)
 
 
-def test_a_generation_gets_the_same_tokens_and_logprobs_with_and_without_it(wide_llms, monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_generation_gets_the_same_tokens_and_logprobs_with_and_without_it(
+    wide_llms, dtype, monkeypatch
+):
     """Prompts cached first (a bf16 prompt step is not always the same bits run to run on a
     loaded machine), then generated with the native loop and with the Python loop."""
     counted = Counted(monkeypatch)
     prompts = [list(range(5, 38)), list(range(300, 349)), list(range(40, 47))]
     params = SamplingParams(max_tokens=30, ignore_eos=True, logprobs=0)
-    with engine({"m": wide_llms["qwen3"]}, dtype="bfloat16", fast_linear=True) as eng:
+    with engine({"m": wide_llms["qwen3"]}, dtype=dtype, fast_linear=True) as eng:
         eng.generate(prompts, SamplingParams(max_tokens=1))
         calls = counted.calls
         native = eng.generate(prompts, params)
@@ -153,7 +170,9 @@ def test_unpacked_linears_keep_the_python_loop_and_model_info_says_which(wide_ll
             calls = counted.calls
             eng.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))
             paths[fast] = (forward_path(eng.llms["m"].runner.model), counted.calls > calls)
-    assert paths[True] == ("trae (fused projections); linears: zentorch; layer loop: native", True)
+    library = linear_library()  # zentorch on AMD CPUs, oneDNN on Intel's
+    want = f"trae (fused projections); linears: {library}; layer loop: native"
+    assert paths[True] == (want, True)
     assert paths[False] == ("trae (fused projections)", False)
 
 
@@ -171,7 +190,7 @@ def test_a_failed_native_step_runs_again_in_python_and_the_model_keeps_python(
     wide_llms, monkeypatch
 ):
     def fails(*args):
-        raise RuntimeError("a native decoder layer failed (zentorch error 1)")
+        raise RuntimeError("a native decoder layer failed (kernel error 1)")
 
     with stepped(wide_llms["qwen3"]) as worker:
         _start(worker, [20, 9], torch.Generator().manual_seed(5))

@@ -108,10 +108,13 @@ def _declare(lib: ctypes.CDLL) -> None:
         )
         decode.restype = None
     if hasattr(lib, "silu_mul_bf16"):  # AVX-512 builds
-        lib.silu_mul_bf16.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, ctypes.c_int]
-        lib.silu_mul_bf16.restype = None
-        lib.rotate_bf16.argtypes = [_ptr, *[_i64] * 4, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
-        lib.rotate_bf16.restype = None
+        for suffix in _SUFFIX.values():
+            silu = getattr(lib, f"silu_mul_{suffix}")
+            silu.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, ctypes.c_int]
+            silu.restype = None
+            rotate = getattr(lib, f"rotate_{suffix}")
+            rotate.argtypes = [_ptr, *[_i64] * 4, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
+            rotate.restype = None
 
 
 def library() -> ctypes.CDLL | None:
@@ -227,17 +230,24 @@ def decode_attention(
     return out
 
 
+def suffix(dtype: torch.dtype) -> str:
+    """The C name suffix of ``dtype``'s kernels ("f32", "bf16")."""
+    return _SUFFIX[dtype]
+
+
 def pointwise(x: torch.Tensor) -> bool:
-    """Whether ``silu_mul`` and ``rotate`` take this CPU bf16 tensor (AVX-512 builds)."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.compiler.is_compiling():
+    """Whether ``silu_mul`` and ``rotate`` take this CPU bf16 or float32 tensor (AVX-512
+    builds)."""
+    if x.dtype not in _SUFFIX or x.device.type != "cpu" or torch.compiler.is_compiling():
         return False
     lib = library()
     return lib is not None and hasattr(lib, "silu_mul_bf16")
 
 
 def silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor | None:
-    """``silu(gate_up[:, :n]) * gate_up[:, n:]`` rounded as torch rounds it, for a matrix
-    whose rows are packed; None where the kernel does not take it."""
+    """``silu(gate_up[:, :n]) * gate_up[:, n:]`` for a matrix whose rows are packed (bf16:
+    rounded as torch rounds it; float32: within a few ulp of torch, cpu_paged.c), or None where
+    the kernel does not take it."""
     if not pointwise(gate_up) or gate_up.dim() != 2 or gate_up.stride(1) != 1 or n % 16:
         return None
     if gate_up.shape[1] != 2 * n:
@@ -245,7 +255,7 @@ def silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor | None:
     rows = gate_up.shape[0]
     out = torch.empty((rows, n), dtype=gate_up.dtype)
     if rows:
-        library().silu_mul_bf16(
+        getattr(library(), f"silu_mul_{_SUFFIX[gate_up.dtype]}")(
             gate_up.data_ptr(), rows, gate_up.stride(0), n, out.data_ptr(), n,
             torch.get_num_threads(),
         )  # fmt: skip
@@ -267,7 +277,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
         return None
     out = torch.empty((t, heads, dim), dtype=x.dtype)
     if t:
-        library().rotate_bf16(
+        getattr(library(), f"rotate_{_SUFFIX[x.dtype]}")(
             x.data_ptr(), t, x.stride(0), heads, dim, cos.data_ptr(), signed_sin.data_ptr(),
             cos.stride(0), out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip

@@ -498,6 +498,77 @@ void silu_mul_bf16(const bf16 *gu, int64_t rows, int64_t gu_rs, int64_t n, bf16 
     }
 }
 
+/* e^x to about an ulp for any x, for float32's SiLU: exp16's 2^(x log2 e) loses the low bits
+ * of x log2 e when |x| is large (3e-6 relative at x = -80), which bf16 rounds away and float32
+ * would keep. Cody-Waite: x = n ln2 + r, ln2 in two parts, then e^r by Taylor to degree 7. */
+static inline __m512 exp16_f32(__m512 x) {
+    __m512 big = _mm512_set1_ps(88.7f);
+    __mmask16 over = _mm512_cmp_ps_mask(x, big, _CMP_GT_OQ);
+    x = _mm512_max_ps(_mm512_min_ps(x, big), _mm512_set1_ps(-104.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512 e = _mm512_scalef_ps(p, n);
+    return _mm512_mask_mov_ps(e, over, _mm512_set1_ps(__builtin_inff()));
+}
+
+/* The float32 steps: the same arithmetic with no rounding between them but IEEE's own. The
+ * exp is exp16_f32 (about an ulp), not torch's, so the flat forward's float32 SiLU is this
+ * kernel on both its loops (cpu_native.silu_mul), never torch's beside it. */
+void silu_mul_f32(const float *gu, int64_t rows, int64_t gu_rs, int64_t n, float *out,
+                  int64_t out_rs, int threads) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+#pragma omp parallel for num_threads(threads) if (rows * n >= 32768) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * gu_rs, *u = g + n;
+        float *o = out + r * out_rs;
+        for (int64_t i = 0; i < n; i += 16) {
+            __m512 x = load16_f32(g + i);
+            __m512 den = _mm512_add_ps(one, exp16_f32(_mm512_sub_ps(_mm512_setzero_ps(), x)));
+            store16_f32(o + i, _mm512_mul_ps(_mm512_div_ps(x, den), load16_f32(u + i)));
+        }
+    }
+}
+
+void mul_rows_f32(float *x, int64_t rows, const float *w, int64_t width) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = x + r * width;
+        int64_t i = 0;
+        for (; i + 16 <= width; i += 16)
+            store16_f32(row + i, _mm512_mul_ps(load16_f32(row + i), load16_f32(w + i)));
+        for (; i < width; i++) row[i] *= w[i];
+    }
+}
+
+/* out[t, h] = x * cos + swapped(x) * ssin, as rotate_bf16 lays it out; dim % 32 == 0 */
+void rotate_f32(const float *x_, int64_t tokens, int64_t x_rs, int64_t heads, int64_t dim,
+                const float *cos_, const float *ssin_, int64_t cs_rs, float *out, int threads) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= 32768) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_ + t * cs_rs, *s = ssin_ + t * cs_rs;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *x = x_ + t * x_rs + h * dim;
+            float *o = out + (t * heads + h) * dim;
+            for (int64_t i = 0; i < dim; i += 16) {
+                int64_t j = i < half ? i + half : i - half;
+                __m512 a = _mm512_mul_ps(load16_f32(x + i), load16_f32(c + i));
+                __m512 b = _mm512_mul_ps(load16_f32(x + j), load16_f32(s + i));
+                store16_f32(o + i, _mm512_add_ps(a, b));
+            }
+        }
+    }
+}
+
 /* x[r, i] = bf16(x[r, i] * w[i]) in place, rows of ``width`` (Qwen3's per-head norm weights
  * after its weightless norm, trae_kernels/zen_layers.c): torch's bf16 product's rounding */
 void mul_rows_bf16(bf16 *x, int64_t rows, const bf16 *w, int64_t width) {

@@ -13,19 +13,13 @@ from pathlib import Path
 
 import torch
 
-from trae_groups.kernels import cpu_native
+from trae_groups.kernels import cpu_native, torch_shim
 from trae_groups.kernels.load_once import LoadOnce
 from trae_groups.kernels.zen_attention import ZEN_OP_NAME
 
 SOURCE = Path(__file__).with_name("zen_calls.c")
 ENV_SWITCH = "TRAE_ZEN_SHIMS"  # "0": zentorch's dispatcher ops (they leak) instead
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-
-_dtype_codes: dict[torch.dtype, int] = {}
-
-
-def _address(lib: ctypes.CDLL, name: str) -> int:
-    return ctypes.cast(getattr(lib, name), _ptr).value
 
 
 def _load() -> ctypes.CDLL:
@@ -37,24 +31,15 @@ def _load() -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang)")
     zen = ctypes.CDLL(str(Path(zentorch.__file__).with_name("libzentorch.so")))
-    aten = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-    for name in (
-        "aoti_torch_device_type_cpu",
-        "aoti_torch_dtype_float32",
-        "aoti_torch_dtype_bfloat16",
-    ):
-        getattr(aten, name).restype = _i32
     lib = ctypes.CDLL(str(cpu_native.build(cc, SOURCE)))
     lib.zen_bind.argtypes = [_ptr] * 6 + [_i32]
     lib.zen_bind.restype = None
     lib.zen_bind(
-        _address(aten, "aoti_torch_create_tensor_from_blob"),
-        _address(aten, "aoti_torch_delete_tensor_object"),
-        _address(aten, "aoti_torch_get_data_ptr"),
-        _address(zen, "aoti_torch_cpu_zentorch_linear_unary_out"),
-        _address(zen, "aoti_torch_cpu_zentorch_add_rms_norm_"),
-        _address(zen, "aoti_torch_cpu_zentorch_rms_norm"),
-        aten.aoti_torch_device_type_cpu(),
+        *torch_shim.handle_functions(),
+        torch_shim.address(zen, "aoti_torch_cpu_zentorch_linear_unary_out"),
+        torch_shim.address(zen, "aoti_torch_cpu_zentorch_add_rms_norm_"),
+        torch_shim.address(zen, "aoti_torch_cpu_zentorch_rms_norm"),
+        torch_shim.cpu_device(),
     )
     lib.zen_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _ptr, _ptr]
     lib.zen_linear.restype = _i32
@@ -62,8 +47,6 @@ def _load() -> ctypes.CDLL:
     lib.zen_add_rms_norm.restype = _i32
     lib.zen_rms_norm.argtypes = [_ptr, _ptr, _i64, _i64, _i32, _i64, _ptr, ctypes.c_double]
     lib.zen_rms_norm.restype = _i32
-    _dtype_codes[torch.float32] = aten.aoti_torch_dtype_float32()
-    _dtype_codes[torch.bfloat16] = aten.aoti_torch_dtype_bfloat16()
     return lib
 
 
@@ -79,13 +62,13 @@ def library() -> ctypes.CDLL | None:
     return _loaded.get()
 
 
-def dtype_code(dtype: torch.dtype) -> int:
-    """torch's C shim code for ``dtype`` (bound when the shims load)."""
-    return _dtype_codes[dtype]
-
-
 def _matrix(t: torch.Tensor) -> bool:
-    return t.dim() == 2 and t.stride(1) == 1 and t.dtype in _dtype_codes and t.device.type == "cpu"
+    return (
+        t.dim() == 2
+        and t.stride(1) == 1
+        and t.dtype in torch_shim.DTYPES
+        and t.device.type == "cpu"
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -105,7 +88,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     rows, n = x.shape[0], weight.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype)
     err = lib.zen_linear(
-        x.data_ptr(), rows, x.shape[1], x.stride(0), out.data_ptr(), n, _dtype_codes[x.dtype],
+        x.data_ptr(), rows, x.shape[1], x.stride(0), out.data_ptr(), n, torch_shim.dtype_code(x.dtype),
         weight.data_ptr(), None if bias is None else bias.data_ptr(),
     )  # fmt: skip
     if err:
@@ -125,7 +108,7 @@ def add_rms_norm(
     if residual.shape != hidden.shape or not weight.is_contiguous() or hidden.shape[0] == 0:
         return False
     rows, dim = hidden.shape
-    code = _dtype_codes[hidden.dtype]
+    code = torch_shim.dtype_code(hidden.dtype)
     err = lib.zen_add_rms_norm(
         hidden.data_ptr(), residual.data_ptr(), rows, dim, code, weight.data_ptr(), eps
     )
@@ -145,7 +128,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     out = torch.empty_like(x)
     rows, dim = x.shape
     err = lib.zen_rms_norm(
-        x.data_ptr(), out.data_ptr(), rows, dim, _dtype_codes[x.dtype], x.element_size(),
+        x.data_ptr(), out.data_ptr(), rows, dim, torch_shim.dtype_code(x.dtype), x.element_size(),
         weight.data_ptr(), eps,
     )  # fmt: skip
     return out if err == 0 else None

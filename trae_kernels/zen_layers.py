@@ -1,7 +1,7 @@
 """The flat forward's layer stack in one native call (``zen_layers.c``), where every kernel of
-a layer has a C entry point: bf16 weights packed for zentorch (AMD, its C shims loaded), bf16
-K/V pages, our AVX-512 rotation and SiLU, and a step whose attention the native paged kernel
-runs for every row (decodes, and short prompt chunks beside them).
+a layer has a C entry point: bf16 or float32 weights packed for zentorch (AMD) or oneDNN
+(Intel), zentorch's norms (its C shims loaded), K/V pages of the same dtype, our AVX-512 rotation and SiLU, and a step whose attention
+the native paged kernel runs for every row (decodes, and short prompt chunks beside them).
 
 Why: the kernels of a SmolLM2 decode step are ~300 calls; from Python each costs 6-10 us of
 wrapper besides the glue between them (docs/performance.md). The C loop calls the same kernels
@@ -16,12 +16,18 @@ import os
 import subprocess
 from pathlib import Path
 
-from trae_groups.kernels import cpu_native, zen_calls
+import torch
+
+from trae_groups.kernels import cpu_native, onednn_calls, zen_calls
 from trae_groups.kernels.load_once import LoadOnce
 from trae_groups.kernels.thread_switch import ThreadSwitch
+from trae_groups.kernels.torch_shim import address
 
 SOURCE = Path(__file__).with_name("zen_layers.c")
 ENV_SWITCH = "TRAE_NATIVE_LAYERS"  # "0": the flat forward's Python loop
+KINDS = (torch.bfloat16, torch.float32)  # Step.kind indexes this (``KINDS`` in zen_layers.c)
+# Step.library indexes this (``LIBRARIES`` in zen_layers.c): PackedLinear.library's names
+LIBRARIES = ("zentorch", "onednn")
 _i64, _ptr, _f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 
 _switch = ThreadSwitch()
@@ -34,7 +40,7 @@ class Step(ctypes.Structure):
     _fields_ = [
         *((name, _i64) for name in (
             "rows", "attn_rows", "hidden", "heads", "kv_heads", "dim", "inter", "head_norms",
-            "dtype", "threads",
+            "dtype", "threads", "kind", "elem", "library",
         )),
         ("eps", _f64),
         ("scale", _f64),
@@ -64,31 +70,33 @@ class Layer(ctypes.Structure):
     ]  # fmt: skip
 
 
-def _address(lib: ctypes.CDLL, name: str) -> int:
-    return ctypes.cast(getattr(lib, name), _ptr).value
-
-
 def _load() -> ctypes.CDLL:
     if os.environ.get(ENV_SWITCH) == "0":
         raise RuntimeError(f"{ENV_SWITCH}=0")
     zen, native = zen_calls.library(), cpu_native.library()
-    if zen is None or native is None or not hasattr(native, "silu_mul_bf16"):
+    if zen is None or native is None or not hasattr(native, "silu_mul_f32"):
         raise RuntimeError("needs zentorch's C shims and the AVX-512 build of cpu_paged.c")
     lib = ctypes.CDLL(str(cpu_native.build(cpu_native.compiler(), SOURCE)))
-    lib.layers_bind.argtypes = [_ptr] * 8
+    lib.layers_bind.argtypes = [_ptr] * 2
     lib.layers_bind.restype = None
-    lib.layers_bind(
-        _address(zen, "zen_linear"),
-        _address(zen, "zen_add_rms_norm"),
-        _address(zen, "zen_rms_norm"),
-        _address(native, "rotate_bf16"),
-        _address(native, "store_kv_bf16"),
-        _address(native, "decode_attention_bf16"),
-        _address(native, "silu_mul_bf16"),
-        _address(native, "mul_rows_bf16"),
-    )
-    lib.decoder_layers_bf16.argtypes = [ctypes.POINTER(Step), ctypes.POINTER(Layer), _i64]
-    lib.decoder_layers_bf16.restype = ctypes.c_int32
+    lib.layers_bind(*(address(zen, f) for f in ("zen_add_rms_norm", "zen_rms_norm")))
+    lib.layers_bind_linear.argtypes = [_i64, _ptr]
+    lib.layers_bind_linear.restype = ctypes.c_int32
+    onednn = onednn_calls.library()
+    callers = {"zentorch": (zen, "zen_linear"), "onednn": (onednn, "onednn_linear")}
+    for index, name in enumerate(LIBRARIES):
+        caller, function = callers[name]
+        if caller is not None and lib.layers_bind_linear(index, address(caller, function)):
+            raise RuntimeError("zen_layers.c has fewer linear libraries than zen_layers.LIBRARIES")
+    lib.layers_bind_kind.argtypes = [_i64] + [_ptr] * 5
+    lib.layers_bind_kind.restype = ctypes.c_int32
+    for kind, dtype in enumerate(KINDS):
+        suffix = cpu_native.suffix(dtype)
+        names = ("rotate", "store_kv", "decode_attention", "silu_mul", "mul_rows")
+        if lib.layers_bind_kind(kind, *(address(native, f"{n}_{suffix}") for n in names)):
+            raise RuntimeError("zen_layers.c has fewer element types than zen_layers.KINDS")
+    lib.decoder_layers.argtypes = [ctypes.POINTER(Step), ctypes.POINTER(Layer), _i64]
+    lib.decoder_layers.restype = ctypes.c_int32
     return lib
 
 
@@ -105,8 +113,24 @@ def library() -> ctypes.CDLL | None:
     return None if _switch.off else _loaded.get()
 
 
+def step_kind(dtype: torch.dtype) -> tuple[int, int] | None:
+    """(Step.kind, Step.elem) for activations of ``dtype``; None where the loop has no kernels
+    for it."""
+    if dtype not in KINDS:
+        return None
+    return KINDS.index(dtype), torch.empty((), dtype=dtype).element_size()
+
+
+def linear_library(name: str) -> int | None:
+    """Step.library for linears packed by ``name`` (PackedLinear.library); None where the
+    loop has no caller of it loaded."""
+    if name not in LIBRARIES or (name == "onednn" and onednn_calls.library() is None):
+        return None
+    return LIBRARIES.index(name)
+
+
 def run(step: Step, layers: ctypes.Array, n_layers: int) -> None:
     """Every layer over the step (``library()`` must have returned the library)."""
-    err = _loaded.get().decoder_layers_bf16(ctypes.byref(step), layers, n_layers)
+    err = _loaded.get().decoder_layers(ctypes.byref(step), layers, n_layers)
     if err:
-        raise RuntimeError(f"a native decoder layer failed (zentorch error {err})")
+        raise RuntimeError(f"a native decoder layer failed (kernel error {err})")
