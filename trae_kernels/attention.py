@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from trae_groups.kernels import cpu_native, zen_attention
+from trae_groups.kernels import cpu_native, cpu_prefill, zen_attention
 from trae_groups.kernels.kv_quant import QuantKV
 
 # At most this many K/V rows (sequences x padded context) gathered for one padded
@@ -88,6 +88,24 @@ class PagedBatch:
             self._masks[key] = (
                 torch.tensor(seqs, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
             )  # fmt: skip
+        return self._masks[key]
+
+    def chunk_rows(self) -> tuple[torch.Tensor, ...]:
+        """Each prompt chunk's row of ``block_tables``, first row in the step, rows and
+        context (int64 each, cached per step): what the native prompt kernel reads."""
+        key = ("chunk_rows",)
+        if key not in self._masks:
+            nd, starts = self.num_decodes, self.query_starts
+            chunks = range(nd, self.num_seqs)
+            self._masks[key] = tuple(
+                torch.tensor(values, dtype=torch.int64)
+                for values in (
+                    list(chunks),
+                    [starts[s] for s in chunks],
+                    [starts[s + 1] - starts[s] for s in chunks],
+                    [self.context_lens[s] for s in chunks],
+                )
+            )
         return self._masks[key]
 
     def longest_chunk(self) -> int:
@@ -258,6 +276,9 @@ def paged_attention(
             return o
         out[:nd] = o
     if nd < batch.num_seqs:
+        if cpu_prefill.supports(query, k_cache, v_cache):  # AMX: the pages where they lie
+            cpu_prefill.attend(query, k_cache, v_cache, batch, scale, sliding_window, out)
+            return out
         plan = batch.prefill_plan(sliding_window)
         if plan is None:
             _prefill_one_by_one(query, key, value, k_cache, v_cache, batch, scale,

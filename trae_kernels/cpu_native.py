@@ -21,6 +21,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -73,11 +74,19 @@ def _cpu_flags() -> str:
     return ""
 
 
+def _text(source: Path) -> bytes:
+    """The source with the local headers it includes (``#include "x.h"``): what the build
+    depends on."""
+    text = source.read_bytes()
+    headers = re.findall(rb'^#include "([\w.]+)"', text, flags=re.MULTILINE)
+    return text + b"".join(_text(source.with_name(h.decode())) for h in headers)
+
+
 def build(cc: str, source: Path = SOURCE) -> Path:
     """The shared object for ``source``, compiler and CPU, built once into the cache."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
-        source.read_bytes() + version.encode() + " ".join(FLAGS).encode() + _cpu_flags().encode()
+        _text(source) + version.encode() + " ".join(FLAGS).encode() + _cpu_flags().encode()
     ).hexdigest()[:20]
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "trae-groups" / "kernels")
     target = cache / f"{source.stem}-{key}.so"

@@ -1,0 +1,120 @@
+"""Prompt attention on AMX tiles (trae_kernels/cpu_prefill.c) against the dense float32 oracle:
+chunks over cached prefixes, GQA, sliding windows, contexts that end inside a page whose
+stale slots hold NaN, chunks of one token to thousands, a page-major pool's strided layer
+view; and a model's prefill with and without it. Runs where the CPU has AMX (Intel Xeon from
+Sapphire Rapids on); elsewhere only the skip rule is checked."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_cpu_native import _strided
+from test_engine import engine
+from test_kernels import make_case
+from test_native_layers import WIDE
+
+from conftest import build_llm
+from trae_groups.engine.sampling import SamplingParams
+from trae_groups.kernels import cpu_prefill, naive_attention, paged_attention
+
+needs_amx = pytest.mark.skipif(cpu_prefill.library() is None, reason="no AMX tiles here")
+DIM = cpu_prefill.HEAD_SIZE
+
+
+def _case(q_lens, ctx_lens, heads, kv_heads, seed=0, page=16):
+    q, k, v, kc, vc, batch, keys, values = make_case(
+        q_lens, ctx_lens, heads, kv_heads, page=page, dim=DIM, seed=seed, num_pages=512
+    )
+    kc, vc = kc.bfloat16(), vc.bfloat16()
+    kc.fill_(float("nan"))  # slots no token owns: a kernel that reads them gives NaN
+    vc.fill_(float("nan"))
+    for s, (key, value) in enumerate(zip(keys, values, strict=True)):
+        pages = batch.block_tables[s]
+        for pos in range(key.shape[0]):
+            kc[pages[pos // page], pos % page] = key[pos].bfloat16()
+            vc[pages[pos // page], pos % page] = value[pos].bfloat16()
+    keys = [key.bfloat16().float() for key in keys]
+    values = [value.bfloat16().float() for value in values]
+    return q.bfloat16(), k.bfloat16(), v.bfloat16(), kc, vc, batch, keys, values
+
+
+def _check(q_lens, ctx_lens, heads, kv_heads, window=None, seed=0, strided=False):
+    q, k, v, kc, vc, batch, keys, values = _case(q_lens, ctx_lens, heads, kv_heads, seed)
+    if strided:
+        kc, vc = _strided(kc), _strided(vc)
+    assert cpu_prefill.supports(q, kc, vc)
+    scale = DIM**-0.5
+    got = paged_attention(q, k, v, kc, vc, batch, scale, window)
+    want = naive_attention(q.float(), keys, values, batch.query_starts, scale, window)
+    # bf16 outputs of values within a few units: one bf16 step of the largest is ~0.016
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
+@needs_amx
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("window", [None, 24, 100])
+def test_chunks_over_cached_prefixes_match_dense(heads, kv_heads, window):
+    # fresh prompts, chunks continuing over a cached prefix (ending inside a page and on its
+    # edge), a chunk of 17 rows (one whole query block and one row), beside decodes
+    q_lens = [1, 1, 40, 100, 17, 64]
+    ctx_lens = [9, 300, 40, 130, 200, 96]
+    _check(q_lens, ctx_lens, heads, kv_heads, window)
+
+
+@needs_amx
+@pytest.mark.parametrize("seed", range(4))
+def test_random_chunks_and_a_strided_pool(seed):
+    g = torch.Generator().manual_seed(seed)
+    ctx = torch.randint(33, 700, (3,), generator=g).tolist()
+    q_lens = [int(torch.randint(33, c + 1, (1,), generator=g)) for c in ctx]
+    _check(q_lens, ctx, 9, 3, seed=seed, strided=seed % 2 == 1)
+
+
+@needs_amx
+def test_a_long_prompt_alone():
+    _check([2048], [2048], 9, 3)
+
+
+def test_it_takes_only_its_shapes():
+    q = torch.zeros(40, 4, DIM, dtype=torch.bfloat16)
+    cache = torch.zeros(8, 16, 2, DIM, dtype=torch.bfloat16)
+    takes = cpu_prefill.library() is not None
+    assert cpu_prefill.supports(q, cache, cache) is takes
+    assert not cpu_prefill.supports(q.float(), cache.float(), cache.float())  # bf16 only
+    assert not cpu_prefill.supports(q[..., :32], cache[..., :32], cache[..., :32])  # head 64
+    odd_pages = torch.zeros(8, 8, 2, DIM, dtype=torch.bfloat16)
+    assert not cpu_prefill.supports(q, odd_pages, odd_pages)  # 16-token page multiples
+    with cpu_prefill.turned_off():
+        assert not cpu_prefill.supports(q, cache, cache)
+
+
+def test_the_switch_turns_it_off():
+    code = "from trae_groups.kernels import cpu_prefill; print(cpu_prefill.library() is None)"
+    env = dict(os.environ, **{cpu_prefill.ENV_SWITCH: "0"})
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "True", done.stderr
+
+
+@needs_amx
+def test_a_models_prefill_scores_within_bf16_of_torchs_kernel(tmp_path, monkeypatch):
+    """Prompt logprobs of a bf16 model (head size 64) with the kernel and with torch's prompt
+    attention: the same up to bf16 rounding."""
+    path = build_llm(tmp_path / "llama", "llama", **WIDE)
+    prompts = [list(range(5, 250)), list(range(40, 77))]  # the model's 256 positions
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    calls = []
+    attend = cpu_prefill.attend
+    monkeypatch.setattr(cpu_prefill, "attend", lambda *a: calls.append(1) or attend(*a))
+    with engine({"m": path}, dtype="bfloat16", fast_linear=True) as eng:
+        with_amx = eng.generate(prompts, params)
+        assert calls
+        monkeypatch.setattr(cpu_prefill, "library", lambda: None)  # the engine's thread too
+        without = eng.generate(prompts, params)
+    for a, b in zip(with_amx, without, strict=True):
+        got = torch.tensor([entry.logprob for entry in a.prompt_logprobs[1:]])
+        want = torch.tensor([entry.logprob for entry in b.prompt_logprobs[1:]])
+        torch.testing.assert_close(got, want, atol=0.1, rtol=0.02)

@@ -1,0 +1,46 @@
+/* AVX-512 helpers shared by the CPU kernels (cpu_paged.c, cpu_prefill.c): bf16 loads and
+ * stores with the scalar f32_to_bf16's rounding, and a vector exp for softmax scores. */
+#ifndef TRAE_CPU_VEC_H
+#define TRAE_CPU_VEC_H
+#include <immintrin.h>
+#include <stdint.h>
+
+typedef uint16_t bf16;
+
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const bf16 *p) {
+    __m256i half = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+static inline void store16_f32(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
+static inline __m512 round_bf16_16(__m512 x) { /* f32_to_bf16's rounding, 16 at once */
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_and_si512(u, _mm512_set1_epi32((int)0xffff0000u)),
+                             _mm512_set1_epi32(0x00400000));
+    return _mm512_castsi512_ps(r);
+}
+static inline void store16_rounded(bf16 *p, __m512 rounded) {
+    _mm256_storeu_si256((__m256i *)p,
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+}
+static inline void store16_bf16(bf16 *p, __m512 x) { store16_rounded(p, round_bf16_16(x)); }
+
+static inline __m512 exp16(__m512 x) { /* x <= 0: a score minus the running maximum */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n); /* 2^x = 2^n * 2^f, f in [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.540353039338161e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355814642844e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
