@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from trae_groups.kernels import cpu_native, cpu_prefill, zen_attention
+from trae_groups.kernels import cpu_amx, cpu_native, zen_attention
 from trae_groups.kernels.kv_quant import QuantKV
 
 # At most this many K/V rows (sequences x padded context) gathered for one padded
@@ -276,8 +276,8 @@ def paged_attention(
             return o
         out[:nd] = o
     if nd < batch.num_seqs:
-        if cpu_prefill.supports(query, k_cache, v_cache):  # AMX: the pages where they lie
-            cpu_prefill.attend(query, k_cache, v_cache, batch, scale, sliding_window, out)
+        if cpu_amx.supports_prefill(query, k_cache, v_cache):  # the pages where they lie
+            cpu_amx.prefill(query, k_cache, v_cache, batch, scale, sliding_window, out)
             return out
         plan = batch.prefill_plan(sliding_window)
         if plan is None:

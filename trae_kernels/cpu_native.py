@@ -224,12 +224,11 @@ def decode_attention(
     """query [n, heads, dim], one token per row; row r attends positions up to
     ``row_pos[r]`` (and, with a window, the last ``window`` of them) of sequence
     ``row_seq[r]``'s pages. Returns [n, heads, dim] in the query's dtype."""
-    lib = library()
     query = _rows(query)
     out = torch.empty(query.shape, dtype=query.dtype)
     tables = block_tables if block_tables.is_contiguous() else block_tables.contiguous()
     page_s, tok_s, head_s = cache_strides(k_cache)
-    getattr(lib, f"decode_attention_{_SUFFIX[query.dtype]}")(
+    decode_kernel(query.dtype)(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
         page_s, tok_s, head_s, k_cache.shape[1], tables.data_ptr(), tables.stride(0),
         row_seq.data_ptr(), row_pos.data_ptr(), query.shape[0], query.shape[1],
@@ -237,6 +236,16 @@ def decode_attention(
         torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def decode_kernel(dtype: torch.dtype):
+    """The decode kernel for ``dtype``'s pages (``library()`` loaded): AMX's for bf16 where it
+    loads (cpu_amx.py: a page of keys scored per tile product), else this library's."""
+    from trae_groups.kernels import cpu_amx  # built on this module: imported when first asked
+
+    if cpu_amx.decodes(dtype):
+        return cpu_amx.library().decode_attention_amx
+    return getattr(library(), f"decode_attention_{_SUFFIX[dtype]}")
 
 
 def suffix(dtype: torch.dtype) -> str:

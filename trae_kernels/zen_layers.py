@@ -92,8 +92,11 @@ def _load() -> ctypes.CDLL:
     lib.layers_bind_kind.restype = ctypes.c_int32
     for kind, dtype in enumerate(KINDS):
         suffix = cpu_native.suffix(dtype)
-        names = ("rotate", "store_kv", "decode_attention", "silu_mul", "mul_rows")
-        if lib.layers_bind_kind(kind, *(address(native, f"{n}_{suffix}") for n in names)):
+        rotate, store, silu, mul = (
+            address(native, f"{n}_{suffix}") for n in ("rotate", "store_kv", "silu_mul", "mul_rows")
+        )
+        attend = ctypes.cast(cpu_native.decode_kernel(dtype), _ptr).value  # AMX's where it loads
+        if lib.layers_bind_kind(kind, rotate, store, attend, silu, mul):
             raise RuntimeError("zen_layers.c has fewer element types than zen_layers.KINDS")
     lib.decoder_layers.argtypes = [ctypes.POINTER(Step), ctypes.POINTER(Layer), _i64]
     lib.decoder_layers.restype = ctypes.c_int32

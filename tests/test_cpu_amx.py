@@ -1,4 +1,4 @@
-"""Prompt attention on AMX tiles (trae_kernels/cpu_prefill.c) against the dense float32 oracle:
+"""Prompt attention on AMX tiles (trae_kernels/cpu_amx.c) against the dense float32 oracle:
 chunks over cached prefixes, GQA, sliding windows, contexts that end inside a page whose
 stale slots hold NaN, chunks of one token to thousands, a page-major pool's strided layer
 view; and a model's prefill with and without it. Runs where the CPU has AMX (Intel Xeon from
@@ -19,15 +19,15 @@ from test_native_layers import WIDE
 
 from conftest import build_llm
 from trae_groups.engine.sampling import SamplingParams
-from trae_groups.kernels import cpu_prefill, naive_attention, paged_attention
+from trae_groups.kernels import cpu_amx, naive_attention, paged_attention
 
-needs_amx = pytest.mark.skipif(cpu_prefill.library() is None, reason="no AMX tiles here")
-DIM = cpu_prefill.HEAD_SIZE
+needs_amx = pytest.mark.skipif(cpu_amx.library() is None, reason="no AMX tiles here")
+DIM = cpu_amx.PREFILL_HEAD_SIZE
 
 
-def _case(q_lens, ctx_lens, heads, kv_heads, seed=0, page=16):
+def _case(q_lens, ctx_lens, heads, kv_heads, seed=0, page=16, dim=DIM):
     q, k, v, kc, vc, batch, keys, values = make_case(
-        q_lens, ctx_lens, heads, kv_heads, page=page, dim=DIM, seed=seed, num_pages=512
+        q_lens, ctx_lens, heads, kv_heads, page=page, dim=dim, seed=seed, num_pages=512
     )
     kc, vc = kc.bfloat16(), vc.bfloat16()
     kc.fill_(float("nan"))  # slots no token owns: a kernel that reads them gives NaN
@@ -42,12 +42,12 @@ def _case(q_lens, ctx_lens, heads, kv_heads, seed=0, page=16):
     return q.bfloat16(), k.bfloat16(), v.bfloat16(), kc, vc, batch, keys, values
 
 
-def _check(q_lens, ctx_lens, heads, kv_heads, window=None, seed=0, strided=False):
-    q, k, v, kc, vc, batch, keys, values = _case(q_lens, ctx_lens, heads, kv_heads, seed)
+def _check(q_lens, ctx_lens, heads, kv_heads, window=None, seed=0, strided=False, dim=DIM):
+    q, k, v, kc, vc, batch, keys, values = _case(q_lens, ctx_lens, heads, kv_heads, seed, dim=dim)
     if strided:
         kc, vc = _strided(kc), _strided(vc)
-    assert cpu_prefill.supports(q, kc, vc)
-    scale = DIM**-0.5
+    assert cpu_amx.supports_prefill(q, kc, vc) is (dim == DIM)
+    scale = dim**-0.5
     got = paged_attention(q, k, v, kc, vc, batch, scale, window)
     want = naive_attention(q.float(), keys, values, batch.query_starts, scale, window)
     # bf16 outputs of values within a few units: one bf16 step of the largest is ~0.016
@@ -75,6 +75,18 @@ def test_random_chunks_and_a_strided_pool(seed):
 
 
 @needs_amx
+@pytest.mark.parametrize("dim", [64, 128, 32])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (10, 2), (16, 1)])
+@pytest.mark.parametrize("window", [None, 20, 70])
+def test_decode_rows_match_dense(dim, heads, kv_heads, window):
+    # contexts inside a page, on its edge, across the 64-key blocks; windows starting mid-page;
+    # 5 heads per KV head take the kernel's unspecialised path, head size 32 the AVX-512 one
+    ctx_lens = [1, 16, 17, 64, 65, 300]
+    assert cpu_amx.decodes(torch.bfloat16)
+    _check([1] * len(ctx_lens), ctx_lens, heads, kv_heads, window, dim=dim, strided=dim == 64)
+
+
+@needs_amx
 def test_a_long_prompt_alone():
     _check([2048], [2048], 9, 3)
 
@@ -82,19 +94,19 @@ def test_a_long_prompt_alone():
 def test_it_takes_only_its_shapes():
     q = torch.zeros(40, 4, DIM, dtype=torch.bfloat16)
     cache = torch.zeros(8, 16, 2, DIM, dtype=torch.bfloat16)
-    takes = cpu_prefill.library() is not None
-    assert cpu_prefill.supports(q, cache, cache) is takes
-    assert not cpu_prefill.supports(q.float(), cache.float(), cache.float())  # bf16 only
-    assert not cpu_prefill.supports(q[..., :32], cache[..., :32], cache[..., :32])  # head 64
+    takes = cpu_amx.library() is not None
+    assert cpu_amx.supports_prefill(q, cache, cache) is takes
+    assert not cpu_amx.supports_prefill(q.float(), cache.float(), cache.float())  # bf16 only
+    assert not cpu_amx.supports_prefill(q[..., :32], cache[..., :32], cache[..., :32])  # head 64
     odd_pages = torch.zeros(8, 8, 2, DIM, dtype=torch.bfloat16)
-    assert not cpu_prefill.supports(q, odd_pages, odd_pages)  # 16-token page multiples
-    with cpu_prefill.turned_off():
-        assert not cpu_prefill.supports(q, cache, cache)
+    assert not cpu_amx.supports_prefill(q, odd_pages, odd_pages)  # 16-token page multiples
+    with cpu_amx.turned_off():
+        assert not cpu_amx.supports_prefill(q, cache, cache)
 
 
 def test_the_switch_turns_it_off():
-    code = "from trae_groups.kernels import cpu_prefill; print(cpu_prefill.library() is None)"
-    env = dict(os.environ, **{cpu_prefill.ENV_SWITCH: "0"})
+    code = "from trae_groups.kernels import cpu_amx; print(cpu_amx.library() is None)"
+    env = dict(os.environ, **{cpu_amx.ENV_SWITCH: "0"})
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.stdout.strip() == "True", done.stderr
 
@@ -107,12 +119,12 @@ def test_a_models_prefill_scores_within_bf16_of_torchs_kernel(tmp_path, monkeypa
     prompts = [list(range(5, 250)), list(range(40, 77))]  # the model's 256 positions
     params = SamplingParams(max_tokens=1, prompt_logprobs=0)
     calls = []
-    attend = cpu_prefill.attend
-    monkeypatch.setattr(cpu_prefill, "attend", lambda *a: calls.append(1) or attend(*a))
+    prefill = cpu_amx.prefill
+    monkeypatch.setattr(cpu_amx, "prefill", lambda *a: calls.append(1) or prefill(*a))
     with engine({"m": path}, dtype="bfloat16", fast_linear=True) as eng:
         with_amx = eng.generate(prompts, params)
         assert calls
-        monkeypatch.setattr(cpu_prefill, "library", lambda: None)  # the engine's thread too
+        monkeypatch.setattr(cpu_amx, "library", lambda: None)  # the engine's thread too
         without = eng.generate(prompts, params)
     for a, b in zip(with_amx, without, strict=True):
         got = torch.tensor([entry.logprob for entry in a.prompt_logprobs[1:]])

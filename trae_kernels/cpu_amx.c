@@ -1,5 +1,7 @@
-/* Prompt attention over paged K/V with AMX tiles: bf16 queries, keys and values, float32
- * scores, softmax and sums. A step's prompt chunks (each the last rows of its sequence, its
+/* Attention over paged K/V with AMX tiles: bf16 queries, keys and values, float32 scores,
+ * softmax and sums.
+ *
+ * Prompts (prefill_attention_amx). A step's prompt chunks (each the last rows of its sequence, its
  * K/V already stored) attend causally over their sequence's pages where they lie: no gathered
  * copy of the context, no mask tensor, and no score past the causal edge computed.
  *
@@ -18,8 +20,16 @@
  * Head size 64 (four O^T tiles), pages of a multiple of 16 tokens. A sliding window masks
  * keys too far back, as the causal edge does.
  *
+ * Decodes (decode_attention_amx, cpu_paged.c's decode_attention_bf16 with the same arguments):
+ * one query token per row attends over its pages; the scores of a KV head's query heads come
+ * from one tile product per page of 16 keys (the page's K rows as they lie times the heads'
+ * Q^T), where the AVX-512 loop reduced a 64-wide dot product per key and head (SmolLM2's
+ * heads, 32 rows over 540 keys: its 30 layers took 25 ms from memory). The softmax and the
+ * weighted sum of V are the AVX-512 loop's. Head sizes 64 and 128; other shapes go to the
+ * function bound as the fallback (decode_attention_bf16).
+ *
  * Built by trae_kernels/cpu_native.py like cpu_paged.c; without AMX (and AVX512-BF16) in the
- * build, only prefill_amx_init is defined and answers 0.
+ * build, only amx_init is defined and answers 0.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,9 +45,19 @@
 #define TILE 16      /* rows of a tile: queries per item, keys per K tile */
 #define KEYS 32      /* keys per step of the loop: two S^T tiles, one P^T tile */
 
-/* Ask the kernel for the AMX tile state (Linux 5.16+); 1 where this process may use it. */
-int prefill_amx_init(void) {
+typedef void (*decode_fn)(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
+                          const bf16 *v_cache, int64_t page_s, int64_t tok_s, int64_t head_s,
+                          int64_t page_size, const int64_t *tables, int64_t tab_s,
+                          const int64_t *row_seq, const int64_t *row_pos, int64_t rows,
+                          int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                          int64_t window, bf16 *out, int64_t out_rs, int nthreads);
+static decode_fn fallback;
+
+/* Ask the kernel for the AMX tile state (Linux 5.16+) and take the decode kernel for shapes
+ * these tiles do not take; 1 where this process may use AMX. */
+int amx_init(void *decode_fallback) {
     const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    fallback = (decode_fn)decode_fallback;
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
@@ -305,6 +325,213 @@ int prefill_attention_amx(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
     free(start);
     return 0;
 }
+#define AHEAD 32      /* keys whose K and V rows are prefetched ahead (cpu_paged.c's AHEAD) */
+#define BLOCK 64      /* keys scored before the running softmax is rescaled */
+#define MAX_GROUP 16  /* query heads per KV head: the columns of a Q^T tile */
+
+typedef struct {
+    const bf16 *query, *k_cache, *v_cache;
+    int64_t q_rs, page_s, tok_s, head_s, page_size;
+    const int64_t *tables;
+    int64_t tab_s;
+    int64_t group;
+    float scale;
+    int64_t window;
+    bf16 *out;
+    int64_t out_rs;
+} DecodeArgs;
+
+static inline const bf16 *row_at(const DecodeArgs *a, const bf16 *cache, const int64_t *table,
+                                 int64_t k, int64_t kh) {
+    return cache + table[k / a->page_size] * a->page_s + (k % a->page_size) * a->tok_s +
+           kh * a->head_s;
+}
+
+/* Prefetch the K and V rows of the 16 keys from k0 (one page's) of KV head kh */
+static inline void prefetch_page(const DecodeArgs *a, const int64_t *table, int64_t k0,
+                                 int64_t kh, int nd) {
+    const char *kr = (const char *)row_at(a, a->k_cache, table, k0, kh);
+    const char *vr = (const char *)row_at(a, a->v_cache, table, k0, kh);
+    const int64_t step = a->tok_s * (int64_t)sizeof(bf16);
+    for (int t = 0; t < TILE; t++)
+        for (int b = 0; b < nd * 32; b += 64) {
+            __builtin_prefetch(kr + t * step + b, 0, 3);
+            __builtin_prefetch(vr + t * step + b, 0, 3);
+        }
+}
+
+/* The scores of 16 keys (one page's rows, from k0) in tile ``acc`` through tile ``rows``:
+ * their K rows times the heads' Q^T (tiles 2 .. 2 + nd / 2). Tile numbers are immediates. */
+#define PAGE_SCORES(acc, rows, k, stride, nd)                                                \
+    do {                                                                                     \
+        _tile_zero(acc);                                                                     \
+        _tile_loadd(rows, (k), stride);                                                      \
+        _tile_dpbf16ps(acc, rows, 2);                                                        \
+        _tile_loadd(rows, (k) + 32, stride);                                                 \
+        _tile_dpbf16ps(acc, rows, 3);                                                        \
+        if ((nd) == 8) {                                                                     \
+            _tile_loadd(rows, (k) + 64, stride);                                             \
+            _tile_dpbf16ps(acc, rows, 4);                                                    \
+            _tile_loadd(rows, (k) + 96, stride);                                             \
+            _tile_dpbf16ps(acc, rows, 5);                                                    \
+        }                                                                                    \
+    } while (0)
+
+/* Each head's scaled scores of the 16 keys of a stored S^T tile into score[g][at ..] */
+static inline __attribute__((always_inline)) void spread(const float *s, float scale, int G,
+                                                         float (*score)[BLOCK], int64_t at) {
+    const __m512i column = _mm512_mullo_epi32(
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(TILE));
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int g = 0; g < G; g++)
+        _mm512_storeu_ps(score[g] + at, _mm512_mul_ps(_mm512_i32gather_ps(column, s + g, 4), vscale));
+}
+
+/* Scores of keys [k0, k0 + n) (k0 a multiple of 16) into score[g][0 .. n), two pages at a
+ * time in two pairs of tiles (0-1 and 6-7) so that one's loads overlap the other's products. */
+static inline __attribute__((always_inline)) void block_scores(
+    const DecodeArgs *a, const int64_t *table, int64_t k0, int64_t n, int64_t kh, const int nd,
+    const int G, float (*score)[BLOCK]) {
+    const long stride = (long)(a->tok_s * sizeof(bf16));
+    float s[2][TILE * TILE] __attribute__((aligned(64)));
+    for (int64_t at = 0; at < n; at += 2 * TILE) {
+        PAGE_SCORES(0, 1, row_at(a, a->k_cache, table, k0 + at, kh), stride, nd);
+        const int pair = at + TILE < n;
+        if (pair) PAGE_SCORES(6, 7, row_at(a, a->k_cache, table, k0 + at + TILE, kh), stride, nd);
+        _tile_stored(0, s[0], 64);
+        if (pair) _tile_stored(6, s[1], 64);
+        spread(s[0], a->scale, G, score, at);
+        if (pair) spread(s[1], a->scale, G, score, at + TILE);
+    }
+}
+
+/* One row's query heads of KV head kh: ``nd`` = dim / 16 (4 or 8) and ``G`` the heads per KV
+ * head, compile-time constants where the caller names them (the accumulators then stay in
+ * registers). */
+static inline __attribute__((always_inline)) void decode_item(const DecodeArgs *a, int64_t r,
+                                                                int64_t seq, int64_t pos,
+                                                                int64_t kh, const int nd,
+                                                                const int G) {
+    const int64_t dim = nd * 16;
+    const int64_t lo = (a->window > 0 && pos - a->window + 1 > 0) ? pos - a->window + 1 : 0;
+    const int64_t *table = a->tables + seq * a->tab_s;
+    /* Q^T in dim pairs, a column per query head: qt[half][pair][g] */
+    uint32_t qt[4 * TILE * TILE] __attribute__((aligned(64)));
+    memset(qt, 0, sizeof qt);
+    for (int g = 0; g < G; g++) {
+        const uint32_t *q = (const uint32_t *)(a->query + r * a->q_rs + (kh * G + g) * dim);
+        for (int i = 0; i < dim / 2; i++) qt[i * TILE + g] = q[i];
+    }
+    _tile_loadd(2, qt, 64);
+    _tile_loadd(3, qt + TILE * TILE, 64);
+    if (nd == 8) {
+        _tile_loadd(4, qt + 2 * TILE * TILE, 64);
+        _tile_loadd(5, qt + 3 * TILE * TILE, 64);
+    }
+    __m512 acc[MAX_GROUP][8];
+    float best[MAX_GROUP], total[MAX_GROUP], score[MAX_GROUP][BLOCK] __attribute__((aligned(64)));
+    for (int g = 0; g < G; g++) {
+        for (int c = 0; c < nd; c++) acc[g][c] = _mm512_setzero_ps();
+        best[g] = -__builtin_inff();
+        total[g] = 0.0f;
+    }
+    const int64_t start = lo / TILE * TILE; /* pages' rows start on multiples of 16 */
+    for (int64_t k = start; k <= pos && k < start + AHEAD; k += TILE) prefetch_page(a, table, k, kh, nd);
+    for (int64_t j0 = start; j0 <= pos; j0 += BLOCK) {
+        const int64_t n = pos - j0 + 1 < BLOCK ? pos - j0 + 1 : BLOCK;
+        const int64_t first = lo > j0 ? lo - j0 : 0; /* keys before the window: not attended */
+        for (int64_t k = j0 + AHEAD; k <= pos && k < j0 + AHEAD + BLOCK; k += TILE)
+            prefetch_page(a, table, k, kh, nd);
+        block_scores(a, table, j0, n, kh, nd, G, score);
+        for (int g = 0; g < G; g++) {
+            __m512 top = _mm512_set1_ps(best[g]);
+            for (int64_t jj = first; jj < n; jj += 16) {
+                const __mmask16 m = n - jj >= 16 ? 0xffff : (__mmask16)((1u << (n - jj)) - 1);
+                top = _mm512_mask_max_ps(top, m, top, _mm512_loadu_ps(&score[g][jj]));
+            }
+            const float most = _mm512_reduce_max_ps(top);
+            const float rescale = __builtin_expf(best[g] - most); /* 0 on the first block */
+            const __m512 vtop = _mm512_set1_ps(most);
+            __m512 sum = _mm512_setzero_ps();
+            for (int64_t jj = first; jj < n; jj += 16) {
+                const __mmask16 m = n - jj >= 16 ? 0xffff : (__mmask16)((1u << (n - jj)) - 1);
+                __m512 x = _mm512_maskz_loadu_ps(m, &score[g][jj]);
+                x = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(x, vtop)));
+                _mm512_mask_storeu_ps(&score[g][jj], m, x);
+                sum = _mm512_add_ps(sum, x);
+            }
+            total[g] = total[g] * rescale + _mm512_reduce_add_ps(sum);
+            best[g] = most;
+            if (rescale != 1.0f) {
+                const __m512 vr = _mm512_set1_ps(rescale);
+                for (int c = 0; c < nd; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], vr);
+            }
+        }
+        const bf16 *page = 0;
+        for (int64_t jj = first; jj < n; jj++) {
+            if (jj == first || jj % TILE == 0)
+                page = row_at(a, a->v_cache, table, j0 + jj / TILE * TILE, kh);
+            const bf16 *vp = page + (jj % TILE) * a->tok_s;
+            __m512 v[8];
+            for (int c = 0; c < nd; c++) v[c] = load16_bf16(vp + 16 * c);
+            for (int g = 0; g < G; g++) {
+                const __m512 p = _mm512_set1_ps(score[g][jj]);
+                for (int c = 0; c < nd; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        bf16 *op = a->out + r * a->out_rs + (kh * G + g) * dim;
+        const __m512 inv = _mm512_set1_ps(total[g] > 0.0f ? 1.0f / total[g] : 0.0f);
+        for (int c = 0; c < nd; c++) store16_bf16(op + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+    }
+}
+
+/* decode_item with the common head counts per KV head as constants */
+#define ITEM(nd)                                                                             \
+    switch (a.group) {                                                                       \
+    case 1: decode_item(&a, r, row_seq[r], row_pos[r], kh, nd, 1); break;                    \
+    case 2: decode_item(&a, r, row_seq[r], row_pos[r], kh, nd, 2); break;                    \
+    case 3: decode_item(&a, r, row_seq[r], row_pos[r], kh, nd, 3); break;                    \
+    case 4: decode_item(&a, r, row_seq[r], row_pos[r], kh, nd, 4); break;                    \
+    case 8: decode_item(&a, r, row_seq[r], row_pos[r], kh, nd, 8); break;                    \
+    default: decode_item(&a, r, row_seq[r], row_pos[r], kh, nd, (int)a.group);              \
+    }
+
+void decode_attention_amx(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
+                          const bf16 *v_cache, int64_t page_s, int64_t tok_s, int64_t head_s,
+                          int64_t page_size, const int64_t *tables, int64_t tab_s,
+                          const int64_t *row_seq, const int64_t *row_pos, int64_t rows,
+                          int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                          int64_t window, bf16 *out, int64_t out_rs, int nthreads) {
+    const int64_t group = kv_heads > 0 && heads % kv_heads == 0 ? heads / kv_heads : 0;
+    if ((dim != 64 && dim != 128) || page_size % TILE || !group || group > MAX_GROUP) {
+        fallback(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s, page_size, tables, tab_s,
+                 row_seq, row_pos, rows, heads, kv_heads, dim, scale, window, out, out_rs,
+                 nthreads);
+        return;
+    }
+    const DecodeArgs a = {query, k_cache, v_cache, q_rs, page_s, tok_s, head_s, page_size,
+                          tables, tab_s, group, scale, window, out, out_rs};
+#pragma omp parallel num_threads(nthreads) if (rows * kv_heads > 1)
+    {
+        configure_tiles();
+#pragma omp for schedule(dynamic)
+        for (int64_t item = 0; item < rows * kv_heads; item++) {
+            const int64_t r = item / kv_heads, kh = item % kv_heads;
+            if (dim == 64) {
+                ITEM(4)
+            } else {
+                ITEM(8)
+            }
+        }
+        _tile_release();
+    }
+}
 #else
-int prefill_amx_init(void) { return 0; }
+int amx_init(void *decode_fallback) {
+    (void)decode_fallback;
+    return 0;
+}
 #endif
