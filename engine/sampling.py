@@ -277,8 +277,10 @@ class Sampler:
         temperature, before top-k/top-p/min-p and constraint masks."""
         import torch
 
+        from trae_groups.kernels import cpu_native
+
         scored, logits = self.adjust(logits, params, seen, masks)
-        tokens = logits.argmax(-1)
+        tokens = cpu_native.argmax(logits)  # logits.argmax(-1), the same indices
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
             idx = torch.tensor(rows)

@@ -33,6 +33,7 @@ from trae_groups.engine.sampling import (
     filter_probs,
 )
 from trae_groups.engine.scheduler import ScheduledSeq
+from trae_groups.kernels import cpu_native
 
 
 @dataclass
@@ -81,7 +82,7 @@ def verify(
         rows, bits = masks
         masks = ([first[i] for i in rows], bits)
     scored, adjusted = sampler.adjust(logits, params, seen, masks)
-    chosen = adjusted.argmax(-1)  # greedy rows; others are overwritten below
+    chosen = cpu_native.argmax(adjusted)  # greedy rows; others are overwritten below
     tokens_of: list[list[int]] = []
     plain = [i for i, item in enumerate(items) if not item.draft and not item.seq.params.greedy]
     if plain:  # exactly the plain sampler's draw for these rows

@@ -170,3 +170,21 @@ def test_float32_rotate_is_two_products_and_a_sum(tokens):
 def test_pointwise_kernels_leave_other_dtypes_to_torch():
     assert not cpu_native.pointwise(torch.zeros(1, dtype=torch.float16))
     assert not cpu_native.pointwise(torch.zeros(1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rows,n", [(1, 17), (3, 100), (5, 31), (32, 49152)])
+def test_argmax_gives_torchs_indices(rows, n):
+    """Ties (the first wins), infinities, a NaN (torch counts it above everything), a row of
+    -inf, tails past a whole vector, rows strided in a wider matrix."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, n + 7, generator=g)[:, :n]
+    x[0, n // 2] = float("inf")
+    if rows > 1:
+        x[1, n - 1] = float("nan")
+    if rows > 2:
+        x[2] = float("-inf")
+    if rows > 3:
+        top = x[3].max()
+        x[3, 3], x[3, n - 2] = top + 1, top + 1
+    assert torch.equal(cpu_native.argmax(x), x.argmax(-1))
+    assert torch.equal(cpu_native.argmax(x.contiguous()), x.argmax(-1))
