@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from trae_groups.kernels import cpu_amx, cpu_native, zen_attention
+from trae_groups.kernels import cpu_amx, cpu_native, cpu_prompt, zen_attention
 from trae_groups.kernels.kv_quant import QuantKV
 
 # At most this many K/V rows (sequences x padded context) gathered for one padded
@@ -278,6 +278,9 @@ def paged_attention(
     if nd < batch.num_seqs:
         if cpu_amx.supports_prefill(query, k_cache, v_cache):  # the pages where they lie
             cpu_amx.prefill(query, k_cache, v_cache, batch, scale, sliding_window, out)
+            return out
+        if cpu_prompt.supports(query, k_cache, v_cache):
+            cpu_prompt.prefill(query, k_cache, v_cache, batch, scale, sliding_window, out)
             return out
         plan = batch.prefill_plan(sliding_window)
         if plan is None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from trae_groups.kernels import cpu_native
+from trae_groups.kernels import cpu_native, cpu_prompt
 from trae_groups.kernels.load_once import LoadOnce
 from trae_groups.kernels.thread_switch import ThreadSwitch
 from trae_groups.kernels.torch_shim import address
@@ -46,11 +46,7 @@ def _load() -> ctypes.CDLL:
     lib.amx_init.argtypes = [_ptr]
     if not lib.amx_init(address(native, "decode_attention_bf16")):
         raise RuntimeError("the OS did not grant the AMX tile state")
-    lib.prefill_attention_amx.argtypes = (
-        [_ptr, _i64, _ptr, _ptr, *[_i64] * 4, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]
-        + [_i64] * 4
-        + [ctypes.c_float, _i64, _ptr, _i64, ctypes.c_int]
-    )
+    lib.prefill_attention_amx.argtypes = cpu_prompt.ARGTYPES
     lib.prefill_attention_amx.restype = ctypes.c_int
     lib.decode_attention_amx.argtypes = native.decode_attention_bf16.argtypes
     lib.decode_attention_amx.restype = None
@@ -78,31 +74,13 @@ def decodes(dtype: torch.dtype) -> bool:
 
 def supports_prefill(query: torch.Tensor, k_cache, v_cache) -> bool:
     """Whether ``prefill`` takes this layer's prompt chunks."""
-    if not cpu_native.stores(query, k_cache, v_cache) or query.dtype != torch.bfloat16:
+    if not cpu_prompt.takes(query, k_cache, v_cache, torch.bfloat16, (PREFILL_HEAD_SIZE,)):
         return False
-    heads, dim = query.shape[1:]
-    kv_heads, page = k_cache.shape[2], k_cache.shape[1]
-    if dim != PREFILL_HEAD_SIZE or heads % kv_heads or page % TILE_ROWS:
-        return False
-    if query.stride(2) != 1 or query.stride(1) != dim or query.stride(0) % 2:
-        return False
-    return library() is not None
+    return k_cache.shape[1] % TILE_ROWS == 0 and query.stride(0) % 2 == 0 and library() is not None
 
 
 def prefill(query, k_cache, v_cache, batch, scale: float, window: int | None, out) -> None:
-    """Every prompt chunk's rows of ``out`` [T, heads, dim] (the step's decode rows are left
-    as they are); ``supports_prefill`` must have said yes."""
-    table_row, first_row, rows, ctx = batch.chunk_rows()
-    tables = batch.block_tables
-    if not tables.is_contiguous():
-        tables = tables.contiguous()
-    page_s, tok_s, head_s = cpu_native.cache_strides(k_cache)
-    err = library().prefill_attention_amx(
-        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), page_s,
-        tok_s, head_s, k_cache.shape[1], tables.data_ptr(), tables.stride(0),
-        table_row.data_ptr(), first_row.data_ptr(), rows.data_ptr(), ctx.data_ptr(),
-        table_row.shape[0], query.shape[1], k_cache.shape[2], query.shape[2], scale,
-        window or 0, out.data_ptr(), out.stride(0), torch.get_num_threads(),
-    )  # fmt: skip
-    if err:
-        raise RuntimeError(f"AMX prompt attention failed (error {err})")
+    """``cpu_prompt.call`` with the AMX kernel (``supports_prefill`` said yes)."""
+    cpu_prompt.call(
+        library().prefill_attention_amx, query, k_cache, v_cache, batch, scale, window, out
+    )

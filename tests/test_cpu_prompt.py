@@ -1,0 +1,93 @@
+"""float32 prompt attention on AVX-512 (trae_kernels/cpu_prompt.c) against the dense oracle:
+chunks over cached prefixes, GQA, sliding windows, head sizes 64 and 128, contexts ending
+inside a page whose stale slots hold NaN, a page-major pool's strided layer view; and a
+float32 model's prompt scores with and without it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_cpu_native import _strided
+from test_engine import engine
+from test_kernels import make_case
+from test_native_layers import WIDE
+
+from conftest import build_llm
+from trae_groups.engine.sampling import SamplingParams
+from trae_groups.kernels import cpu_prompt, naive_attention, paged_attention
+
+needs_kernel = pytest.mark.skipif(cpu_prompt.library() is None, reason="no AVX-512 build")
+
+
+def _case(q_lens, ctx_lens, heads, kv_heads, dim, seed=0, page=16):
+    q, k, v, kc, vc, batch, keys, values = make_case(
+        q_lens, ctx_lens, heads, kv_heads, page=page, dim=dim, seed=seed, num_pages=512
+    )
+    kc.fill_(float("nan"))  # slots no token owns: a kernel that reads them gives NaN
+    vc.fill_(float("nan"))
+    for s, (key, value) in enumerate(zip(keys, values, strict=True)):
+        pages = batch.block_tables[s]
+        for pos in range(key.shape[0]):
+            kc[pages[pos // page], pos % page] = key[pos]
+            vc[pages[pos // page], pos % page] = value[pos]
+    return q, k, v, kc, vc, batch, keys, values
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("window", [None, 24, 100])
+def test_chunks_over_cached_prefixes_match_dense(dim, heads, kv_heads, window):
+    # fresh prompts, chunks over a cached prefix ending inside a page and on its edge, a
+    # chunk of 17 rows (a whole lane block and one row), pages of 8 tokens, beside decodes
+    q_lens, ctx_lens = [1, 1, 40, 100, 17, 64], [9, 300, 40, 130, 200, 96]
+    for page, strided in ((16, False), (8, True)):
+        q, k, v, kc, vc, batch, keys, values = _case(q_lens, ctx_lens, heads, kv_heads, dim,
+                                                     page=page)  # fmt: skip
+        if strided:
+            kc, vc = _strided(kc), _strided(vc)
+        assert cpu_prompt.supports(q, kc, vc)
+        got = paged_attention(q, k, v, kc, vc, batch, dim**-0.5, window)
+        want = naive_attention(q, keys, values, batch.query_starts, dim**-0.5, window)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_it_takes_only_its_shapes():
+    q = torch.zeros(40, 4, 64)
+    cache = torch.zeros(8, 16, 2, 64)
+    takes = cpu_prompt.library() is not None
+    assert cpu_prompt.supports(q, cache, cache) is takes
+    assert not cpu_prompt.supports(q.bfloat16(), cache.bfloat16(), cache.bfloat16())
+    assert not cpu_prompt.supports(q[..., :32], cache[..., :32], cache[..., :32])
+    with cpu_prompt.turned_off():
+        assert not cpu_prompt.supports(q, cache, cache)
+
+
+def test_the_switch_turns_it_off():
+    code = "from trae_groups.kernels import cpu_prompt; print(cpu_prompt.library() is None)"
+    env = dict(os.environ, **{cpu_prompt.ENV_SWITCH: "0"})
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.stdout.strip() == "True", done.stderr
+
+
+@needs_kernel
+def test_a_models_prompt_scores_match_torchs_kernel(tmp_path, monkeypatch):
+    path = build_llm(tmp_path / "qwen3", "qwen3", **WIDE)
+    prompts = [list(range(5, 250)), list(range(40, 77))]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    calls = []
+    prefill = cpu_prompt.prefill
+    monkeypatch.setattr(cpu_prompt, "prefill", lambda *a: calls.append(1) or prefill(*a))
+    with engine({"m": path}, dtype="float32") as eng:
+        native = eng.generate(prompts, params)
+        assert calls
+        monkeypatch.setattr(cpu_prompt, "library", lambda: None)  # the engine's thread too
+        torch_kernel = eng.generate(prompts, params)
+    for a, b in zip(native, torch_kernel, strict=True):
+        got = torch.tensor([entry.logprob for entry in a.prompt_logprobs[1:]])
+        want = torch.tensor([entry.logprob for entry in b.prompt_logprobs[1:]])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)

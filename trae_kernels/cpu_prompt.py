@@ -1,0 +1,106 @@
+"""Prompt attention over paged K/V in float32 on AVX-512 (``cpu_prompt.c``): a step's prompt
+chunks attend over their pages where they lie, computing only the scores the causal edge
+(and a window) leaves. bf16 chunks take the AMX kernel where the CPU has it (cpu_amx.py);
+``call`` runs either with a step's chunks.
+
+Where it runs: an AVX-512 build of the kernel, float32 queries and pages, head size 64 or
+128. Elsewhere torch's flash kernel runs (attention._prefill_padded and friends).
+``TRAE_NATIVE_PROMPTS=0`` turns it off. Built on first use like ``cpu_native``'s kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+
+from trae_groups.kernels import cpu_native
+from trae_groups.kernels.load_once import LoadOnce
+from trae_groups.kernels.thread_switch import ThreadSwitch
+
+SOURCE = Path(__file__).with_name("cpu_prompt.c")
+ENV_SWITCH = "TRAE_NATIVE_PROMPTS"  # "0": torch's prompt attention for float32
+HEAD_SIZES = (64, 128)
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+# a prompt kernel's arguments (cpu_prompt.c's and cpu_amx.c's are the same)
+ARGTYPES = (
+    [_ptr, _i64, _ptr, _ptr, *[_i64] * 4, _ptr, _i64, _ptr, _ptr, _ptr, _ptr]
+    + [_i64] * 4
+    + [ctypes.c_float, _i64, _ptr, _i64, ctypes.c_int]
+)
+
+_switch = ThreadSwitch()
+turned_off = _switch.turned_off  # this thread runs torch's kernel meanwhile (tests)
+
+
+def _load() -> ctypes.CDLL:
+    if os.environ.get(ENV_SWITCH) == "0":
+        raise RuntimeError(f"{ENV_SWITCH}=0")
+    cc = cpu_native.compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang)")
+    lib = ctypes.CDLL(str(cpu_native.build(cc, SOURCE)))
+    if not hasattr(lib, "prefill_attention_f32"):
+        raise RuntimeError("no AVX-512 on this CPU (or in this compiler)")
+    lib.prefill_attention_f32.argtypes = ARGTYPES
+    lib.prefill_attention_f32.restype = ctypes.c_int
+    return lib
+
+
+_loaded = LoadOnce(
+    _load,
+    (OSError, AttributeError, RuntimeError, subprocess.SubprocessError),
+    "float32 prompt attention on torch's kernel",
+)
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel, or None where it cannot be had (the reason logged once) or this
+    thread turned it off."""
+    return None if _switch.off else _loaded.get()
+
+
+def takes(query: torch.Tensor, k_cache, v_cache, dtype: torch.dtype, head_sizes) -> bool:
+    """Whether a prompt kernel for ``dtype`` and ``head_sizes`` takes this layer's chunks:
+    plain pages of the query's dtype, heads packed in each row."""
+    if query.dtype != dtype or not cpu_native.stores(query, k_cache, v_cache):
+        return False
+    heads, dim = query.shape[1:]
+    return (
+        dim in head_sizes
+        and heads % k_cache.shape[2] == 0
+        and query.stride(2) == 1
+        and query.stride(1) == dim
+    )
+
+
+def supports(query: torch.Tensor, k_cache, v_cache) -> bool:
+    """Whether ``prefill`` takes this layer's prompt chunks."""
+    return takes(query, k_cache, v_cache, torch.float32, HEAD_SIZES) and library() is not None
+
+
+def call(kernel, query, k_cache, v_cache, batch, scale: float, window: int | None, out) -> None:
+    """Run a prompt kernel over every prompt chunk of the step: their rows of ``out`` [T,
+    heads, dim] (the decode rows are left as they are)."""
+    table_row, first_row, rows, ctx = batch.chunk_rows()
+    tables = batch.block_tables
+    if not tables.is_contiguous():
+        tables = tables.contiguous()
+    page_s, tok_s, head_s = cpu_native.cache_strides(k_cache)
+    err = kernel(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), page_s,
+        tok_s, head_s, k_cache.shape[1], tables.data_ptr(), tables.stride(0),
+        table_row.data_ptr(), first_row.data_ptr(), rows.data_ptr(), ctx.data_ptr(),
+        table_row.shape[0], query.shape[1], k_cache.shape[2], query.shape[2], scale,
+        window or 0, out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    if err:
+        raise RuntimeError(f"native prompt attention failed (error {err})")
+
+
+def prefill(query, k_cache, v_cache, batch, scale: float, window: int | None, out) -> None:
+    """``call`` with the float32 kernel (``supports`` said yes)."""
+    call(library().prefill_attention_f32, query, k_cache, v_cache, batch, scale, window, out)
