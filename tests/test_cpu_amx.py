@@ -111,22 +111,29 @@ def test_the_switch_turns_it_off():
     assert done.stdout.strip() == "True", done.stderr
 
 
+def prompt_scores(path, dtype: str, kernel, monkeypatch) -> list[tuple]:
+    """(with, without) a prompt kernel module (its ``prefill`` seen to run, then its
+    ``library`` gone for the engine's thread too): each prompt's logprobs, for two prompts."""
+    prompts = [list(range(5, 250)), list(range(40, 77))]  # the model's 256 positions
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    calls = []
+    prefill = kernel.prefill
+    monkeypatch.setattr(kernel, "prefill", lambda *a: calls.append(1) or prefill(*a))
+    with engine({"m": path}, dtype=dtype, fast_linear=True) as eng:
+        with_kernel = eng.generate(prompts, params)
+        assert calls
+        monkeypatch.setattr(kernel, "library", lambda: None)
+        without = eng.generate(prompts, params)
+    return [
+        tuple(torch.tensor([e.logprob for e in out.prompt_logprobs[1:]]) for out in pair)
+        for pair in zip(with_kernel, without, strict=True)
+    ]
+
+
 @needs_amx
 def test_a_models_prefill_scores_within_bf16_of_torchs_kernel(tmp_path, monkeypatch):
     """Prompt logprobs of a bf16 model (head size 64) with the kernel and with torch's prompt
     attention: the same up to bf16 rounding."""
     path = build_llm(tmp_path / "llama", "llama", **WIDE)
-    prompts = [list(range(5, 250)), list(range(40, 77))]  # the model's 256 positions
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    calls = []
-    prefill = cpu_amx.prefill
-    monkeypatch.setattr(cpu_amx, "prefill", lambda *a: calls.append(1) or prefill(*a))
-    with engine({"m": path}, dtype="bfloat16", fast_linear=True) as eng:
-        with_amx = eng.generate(prompts, params)
-        assert calls
-        monkeypatch.setattr(cpu_amx, "library", lambda: None)  # the engine's thread too
-        without = eng.generate(prompts, params)
-    for a, b in zip(with_amx, without, strict=True):
-        got = torch.tensor([entry.logprob for entry in a.prompt_logprobs[1:]])
-        want = torch.tensor([entry.logprob for entry in b.prompt_logprobs[1:]])
+    for got, want in prompt_scores(path, "bfloat16", cpu_amx, monkeypatch):
         torch.testing.assert_close(got, want, atol=0.1, rtol=0.02)

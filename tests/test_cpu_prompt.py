@@ -11,13 +11,12 @@ import sys
 
 import pytest
 import torch
+from test_cpu_amx import prompt_scores
 from test_cpu_native import _strided
-from test_engine import engine
 from test_kernels import make_case
 from test_native_layers import WIDE
 
 from conftest import build_llm
-from trae_groups.engine.sampling import SamplingParams
 from trae_groups.kernels import cpu_prompt, naive_attention, paged_attention
 
 needs_kernel = pytest.mark.skipif(cpu_prompt.library() is None, reason="no AVX-512 build")
@@ -77,17 +76,5 @@ def test_the_switch_turns_it_off():
 @needs_kernel
 def test_a_models_prompt_scores_match_torchs_kernel(tmp_path, monkeypatch):
     path = build_llm(tmp_path / "qwen3", "qwen3", **WIDE)
-    prompts = [list(range(5, 250)), list(range(40, 77))]
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    calls = []
-    prefill = cpu_prompt.prefill
-    monkeypatch.setattr(cpu_prompt, "prefill", lambda *a: calls.append(1) or prefill(*a))
-    with engine({"m": path}, dtype="float32") as eng:
-        native = eng.generate(prompts, params)
-        assert calls
-        monkeypatch.setattr(cpu_prompt, "library", lambda: None)  # the engine's thread too
-        torch_kernel = eng.generate(prompts, params)
-    for a, b in zip(native, torch_kernel, strict=True):
-        got = torch.tensor([entry.logprob for entry in a.prompt_logprobs[1:]])
-        want = torch.tensor([entry.logprob for entry in b.prompt_logprobs[1:]])
+    for got, want in prompt_scores(path, "float32", cpu_prompt, monkeypatch):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)

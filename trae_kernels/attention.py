@@ -279,7 +279,10 @@ def paged_attention(
         if cpu_amx.supports_prefill(query, k_cache, v_cache):  # the pages where they lie
             cpu_amx.prefill(query, k_cache, v_cache, batch, scale, sliding_window, out)
             return out
-        if cpu_prompt.supports(query, k_cache, v_cache):
+        # float32 on AVX-512, where zentorch's kernel does not run them (AMD; the two were not
+        # compared there)
+        native = cpu_prompt.supports(query, k_cache, v_cache)
+        if native and not zen_attention.supports(query, k_cache):
             cpu_prompt.prefill(query, k_cache, v_cache, batch, scale, sliding_window, out)
             return out
         plan = batch.prefill_plan(sliding_window)

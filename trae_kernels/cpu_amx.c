@@ -13,9 +13,10 @@
  *   S^T [16 keys x 16 queries] = K rows (one page's 16 tokens, loaded as an AMX tile where
  *   they lie) x Q^T (the 16 queries' dims in pairs, packed once per item);
  *   the softmax runs down the keys, so each query's running maximum and sum are lanes of one
- *   vector: no horizontal reductions. Two passes over the keys: the first finds each query's
- *   maximum, the second sums exp(s - max) and accumulates O^T [dims x queries] += V^T x P^T
- *   in four tiles that stay in the tile registers (no rescaling), V^T packed once per chunk
+ *   vector: no horizontal reductions. One pass over the keys sums exp(s - ref) and
+ *   accumulates O^T [dims x queries] += V^T x P^T in four tiles; a lane's reference maximum
+ *   is raised (and its sums rescaled, the tiles stored and loaded back) only when a score
+ *   passes it by SLACK, which after the first blocks is rare. V^T is packed once per chunk
  *   and KV head, P^T written in key pairs as the tiles take them.
  * Head size 64 (four O^T tiles), pages of a multiple of 16 tokens. A sliding window masks
  * keys too far back, as the causal edge does.
@@ -44,6 +45,7 @@
 #define DIM 64       /* head size this kernel takes */
 #define TILE 16      /* rows of a tile: queries per item, keys per K tile */
 #define KEYS 32      /* keys per step of the loop: two S^T tiles, one P^T tile */
+#define SLACK 8.0f   /* how far a score may pass its lane's reference maximum (exp: ~3,000) */
 
 typedef void (*decode_fn)(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
                           const bf16 *v_cache, int64_t page_s, int64_t tok_s, int64_t head_s,
@@ -159,15 +161,6 @@ static inline void scores(const Args *a, const Chunk *c, const int64_t *table, i
     if (k0 + TILE < c->ctx) scores16(a, table, kh, k0 + TILE, s + TILE * TILE);
 }
 
-/* The lanes (queries) that may see key k: k <= pos and, with a window, k > pos - window. */
-static inline __mmask16 sees(int64_t k, __m512i pos, int64_t window) {
-    const __m512i key = _mm512_set1_epi32((int32_t)k);
-    __mmask16 m = _mm512_cmple_epi32_mask(key, pos);
-    if (window > 0)
-        m &= _mm512_cmpgt_epi32_mask(key, _mm512_sub_epi32(pos, _mm512_set1_epi32((int32_t)window)));
-    return m;
-}
-
 static void attend_block(const Args *a, const Chunk *c, int64_t h, int64_t qb) {
     const int64_t group = a->heads / a->kv_heads, kh = h / group;
     const int64_t first = qb * TILE, n = c->rows - first < TILE ? c->rows - first : TILE;
@@ -197,36 +190,56 @@ static void attend_block(const Args *a, const Chunk *c, int64_t h, int64_t qb) {
     /* keys every lane sees without a mask: [whole_lo, pos0] */
     const int64_t whole_lo = a->window > 0 ? top - a->window + 1 : 0;
 
-    __m512 best = _mm512_set1_ps(-__builtin_inff());
-    for (int64_t k0 = lo; k0 <= top; k0 += KEYS) {
-        scores(a, c, table, kh, k0, s);
-        const int whole = k0 >= whole_lo && k0 + KEYS - 1 <= pos0;
-        for (int j = 0; j < KEYS; j++) {
-            const __m512 x = _mm512_mul_ps(_mm512_load_ps(s + j * TILE), scale);
-            const __mmask16 m = whole ? 0xffff : sees(k0 + j, pos, a->window);
-            best = _mm512_mask_max_ps(best, m, best, x);
-        }
-    }
     /* permutes a pair of key rows, converted side by side, into the tiles' pairs */
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                            24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
                                            1, 16, 0);
-    __m512 total = _mm512_setzero_ps();
+    /* each lane's reference maximum: exp(s - ref) runs up to e^SLACK before the sums are
+     * rescaled to a higher one, so O^T stays in its tiles for all but the first blocks */
+    __m512 ref = _mm512_set1_ps(-__builtin_inff()), total = _mm512_setzero_ps();
     _tile_zero(4);
     _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
     const bf16 *vt = c->vt + kh * DIM * c->padded;
     const long vt_stride = (long)(c->padded * sizeof(bf16));
+    __mmask16 seen[KEYS];
     for (int64_t k0 = lo; k0 <= top; k0 += KEYS) {
         scores(a, c, table, kh, k0, s);
         const int whole = k0 >= whole_lo && k0 + KEYS - 1 <= pos0;
+        __m512 most = _mm512_set1_ps(-__builtin_inff());
+        for (int j = 0; j < KEYS; j++) {
+            const __m512 x = _mm512_mul_ps(_mm512_load_ps(s + j * TILE), scale);
+            _mm512_store_ps(s + j * TILE, x);
+            seen[j] = whole ? 0xffff : sees(k0 + j, pos, a->window);
+            most = _mm512_mask_max_ps(most, seen[j], most, x);
+        }
+        const __mmask16 over =
+            _mm512_cmp_ps_mask(most, _mm512_add_ps(ref, _mm512_set1_ps(SLACK)), _CMP_GT_OQ);
+        if (over) {
+            const __m512 raised = _mm512_mask_mov_ps(ref, over, most);
+            const __m512 alpha = _mm512_mask_blend_ps(over, _mm512_set1_ps(1.0f),
+                                                      exp16(_mm512_sub_ps(ref, raised)));
+            total = _mm512_mul_ps(total, alpha);
+            if (k0 != lo) { /* O^T's tiles out, rescaled lane by lane, and back */
+                _tile_stored(4, o, 64);
+                _tile_stored(5, o + 16 * TILE, 64);
+                _tile_stored(6, o + 32 * TILE, 64);
+                _tile_stored(7, o + 48 * TILE, 64);
+                for (int d = 0; d < DIM; d++)
+                    _mm512_store_ps(o + d * TILE, _mm512_mul_ps(_mm512_load_ps(o + d * TILE), alpha));
+                _tile_loadd(4, o, 64);
+                _tile_loadd(5, o + 16 * TILE, 64);
+                _tile_loadd(6, o + 32 * TILE, 64);
+                _tile_loadd(7, o + 48 * TILE, 64);
+            }
+            ref = raised;
+        }
         for (int j = 0; j < KEYS; j += 2) {
             __m512 e[2];
             for (int u = 0; u < 2; u++) {
-                const __m512 x = _mm512_mul_ps(_mm512_load_ps(s + (j + u) * TILE), scale);
-                const __mmask16 m = whole ? 0xffff : sees(k0 + j + u, pos, a->window);
-                e[u] = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(x, best)));
+                const __m512 x = _mm512_load_ps(s + (j + u) * TILE);
+                e[u] = _mm512_maskz_mov_ps(seen[j + u], exp16(_mm512_sub_ps(x, ref)));
                 total = _mm512_add_ps(total, e[u]);
             }
             const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]);

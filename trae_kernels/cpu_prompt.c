@@ -45,15 +45,6 @@ static inline const float *row_of(const Args *a, const float *cache, const int64
            kh * a->head_s;
 }
 
-/* The lanes (queries) that may see key k: k <= pos and, with a window, k > pos - window. */
-static inline __mmask16 sees(int64_t k, __m512i pos, int64_t window) {
-    const __m512i key = _mm512_set1_epi32((int32_t)k);
-    __mmask16 m = _mm512_cmple_epi32_mask(key, pos);
-    if (window > 0)
-        m &= _mm512_cmpgt_epi32_mask(key, _mm512_sub_epi32(pos, _mm512_set1_epi32((int32_t)window)));
-    return m;
-}
-
 /* S^T rows of keys [k0, k0 + n) into s[j] (n <= KEYS), GROUP keys at a time. */
 static inline __attribute__((always_inline)) void scores(const Args *a, const int64_t *table,
                                                          int64_t kh, int64_t k0, int64_t n,

@@ -1,4 +1,4 @@
-/* AVX-512 helpers shared by the CPU kernels (cpu_paged.c, cpu_prefill.c): bf16 loads and
+/* AVX-512 helpers shared by the CPU kernels (cpu_paged.c, cpu_amx.c, cpu_prompt.c): bf16 loads and
  * stores with the scalar f32_to_bf16's rounding, and a vector exp for softmax scores. */
 #ifndef TRAE_CPU_VEC_H
 #define TRAE_CPU_VEC_H
@@ -42,5 +42,15 @@ static inline __m512 exp16(__m512 x) { /* x <= 0: a score minus the running maxi
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
+}
+
+/* Prompt kernels (cpu_amx.c, cpu_prompt.c): the lanes (queries at positions pos) that may see
+ * key k: k <= pos and, with a window, k > pos - window. */
+static inline __mmask16 sees(int64_t k, __m512i pos, int64_t window) {
+    const __m512i key = _mm512_set1_epi32((int32_t)k);
+    __mmask16 m = _mm512_cmple_epi32_mask(key, pos);
+    if (window > 0)
+        m &= _mm512_cmpgt_epi32_mask(key, _mm512_sub_epi32(pos, _mm512_set1_epi32((int32_t)window)));
+    return m;
 }
 #endif
