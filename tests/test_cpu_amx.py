@@ -22,7 +22,7 @@ from trae_groups.engine.sampling import SamplingParams
 from trae_groups.kernels import cpu_amx, naive_attention, paged_attention
 
 needs_amx = pytest.mark.skipif(cpu_amx.library() is None, reason="no AMX tiles here")
-DIM = cpu_amx.PREFILL_HEAD_SIZE
+DIM = 64
 
 
 def _case(q_lens, ctx_lens, heads, kv_heads, seed=0, page=16, dim=DIM):
@@ -46,7 +46,7 @@ def _check(q_lens, ctx_lens, heads, kv_heads, window=None, seed=0, strided=False
     q, k, v, kc, vc, batch, keys, values = _case(q_lens, ctx_lens, heads, kv_heads, seed, dim=dim)
     if strided:
         kc, vc = _strided(kc), _strided(vc)
-    assert cpu_amx.supports_prefill(q, kc, vc) is (dim == DIM)
+    assert cpu_amx.supports_prefill(q, kc, vc) is (dim in cpu_amx.HEAD_SIZES)
     scale = dim**-0.5
     got = paged_attention(q, k, v, kc, vc, batch, scale, window)
     want = naive_attention(q.float(), keys, values, batch.query_starts, scale, window)
@@ -55,14 +55,15 @@ def _check(q_lens, ctx_lens, heads, kv_heads, window=None, seed=0, strided=False
 
 
 @needs_amx
+@pytest.mark.parametrize("dim", [64, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("window", [None, 24, 100])
-def test_chunks_over_cached_prefixes_match_dense(heads, kv_heads, window):
+def test_chunks_over_cached_prefixes_match_dense(dim, heads, kv_heads, window):
     # fresh prompts, chunks continuing over a cached prefix (ending inside a page and on its
     # edge), a chunk of 17 rows (one whole query block and one row), beside decodes
     q_lens = [1, 1, 40, 100, 17, 64]
     ctx_lens = [9, 300, 40, 130, 200, 96]
-    _check(q_lens, ctx_lens, heads, kv_heads, window)
+    _check(q_lens, ctx_lens, heads, kv_heads, window, dim=dim)
 
 
 @needs_amx
@@ -97,7 +98,7 @@ def test_it_takes_only_its_shapes():
     takes = cpu_amx.library() is not None
     assert cpu_amx.supports_prefill(q, cache, cache) is takes
     assert not cpu_amx.supports_prefill(q.float(), cache.float(), cache.float())  # bf16 only
-    assert not cpu_amx.supports_prefill(q[..., :32], cache[..., :32], cache[..., :32])  # head 64
+    assert not cpu_amx.supports_prefill(q[..., :32], cache[..., :32], cache[..., :32])  # 64, 128
     odd_pages = torch.zeros(8, 8, 2, DIM, dtype=torch.bfloat16)
     assert not cpu_amx.supports_prefill(q, odd_pages, odd_pages)  # 16-token page multiples
     with cpu_amx.turned_off():

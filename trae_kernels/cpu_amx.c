@@ -18,7 +18,8 @@
  *   is raised (and its sums rescaled, the tiles stored and loaded back) only when a score
  *   passes it by SLACK, which after the first blocks is rare. V^T is packed once per chunk
  *   and KV head, P^T written in key pairs as the tiles take them.
- * Head size 64 (four O^T tiles), pages of a multiple of 16 tokens. A sliding window masks
+ * Head size 64 (four O^T tiles) or 128 (two passes, each over 64 output dims, each computing
+ * the scores), pages of a multiple of 16 tokens. A sliding window masks
  * keys too far back, as the causal edge does.
  *
  * Decodes (decode_attention_amx, cpu_paged.c's decode_attention_bf16 with the same arguments):
@@ -42,7 +43,8 @@
 
 #include "cpu_vec.h"
 
-#define DIM 64       /* head size this kernel takes */
+#define MAX_DIM 128  /* head sizes this kernel takes: 64 and 128 */
+#define OUT_DIMS 64  /* the output dims four O^T tiles hold: head size 128 takes two passes */
 #define TILE 16      /* rows of a tile: queries per item, keys per K tile */
 #define KEYS 32      /* keys per step of the loop: two S^T tiles, one P^T tile */
 #define SLACK 8.0f   /* how far a score may pass its lane's reference maximum (exp: ~3,000) */
@@ -88,7 +90,7 @@ typedef struct {
     int64_t q_rs, page_s, tok_s, head_s, page_size;
     const int64_t *tables;
     int64_t tab_s;
-    int64_t heads, kv_heads;
+    int64_t heads, kv_heads, dim;
     float scale;
     int64_t window;
     bf16 *out;
@@ -97,7 +99,7 @@ typedef struct {
 
 typedef struct {
     int64_t table_row, first_row, rows, ctx, padded; /* padded: ctx rounded up to KEYS */
-    bf16 *vt;                                        /* V^T [kv_heads][DIM][padded] */
+    bf16 *vt;                                        /* V^T [kv_heads][dim][padded] */
 } Chunk;
 
 /* Where token k0's row of KV head kh lies in ``cache`` (the next tokens of its page follow
@@ -113,7 +115,7 @@ static inline const bf16 *key_rows(const Args *a, const bf16 *cache, const int64
  * Keys past the context are zeros (their P is 0, and 0 times a stale page's NaN would not be). */
 static void pack_values(const Args *a, const Chunk *c, int64_t kh, int64_t k0) {
     const int64_t *table = a->tables + c->table_row * a->tab_s;
-    bf16 *vt = c->vt + kh * DIM * c->padded + k0;
+    bf16 *vt = c->vt + kh * a->dim * c->padded + k0;
     const int32_t *base[2];
     __mmask16 live[2];
     for (int half = 0; half < 2; half++) {
@@ -129,7 +131,7 @@ static void pack_values(const Args *a, const Chunk *c, int64_t kh, int64_t k0) {
                                           34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8,
                                           6, 4, 2, 0);
     const __m512i odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
-    for (int i = 0; i < DIM / 2; i++) {
+    for (int i = 0; i < a->dim / 2; i++) {
         const __m512i lo = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live[0], rows,
                                                        base[0] + i, 4);
         const __m512i hi = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live[1], rows,
@@ -139,37 +141,51 @@ static void pack_values(const Args *a, const Chunk *c, int64_t kh, int64_t k0) {
     }
 }
 
-/* S^T for the 16 keys from k0 (one page's) into s [TILE][TILE]: tile 0, with Q^T's halves
- * in tiles 2 and 3 and the keys' rows loaded into tile 1 where they lie. */
+/* S^T for the 16 keys from k0 (one page's) into s [TILE][TILE]: tile 0, the keys' rows loaded
+ * into tile 1 where they lie, Q^T's first 64 dims in tiles 2 and 3 (head size 64: loaded once
+ * per item; 128: its two halves loaded in turn from qt). */
 static inline void scores16(const Args *a, const int64_t *table, int64_t kh, int64_t k0,
-                            float *s) {
+                            const uint32_t *qt, float *s) {
     const long stride = (long)(a->tok_s * sizeof(bf16));
     const bf16 *k = key_rows(a, a->k_cache, table, k0, kh);
     _tile_zero(0);
+    if (a->dim == 128) {
+        _tile_loadd(2, qt, 64);
+        _tile_loadd(3, qt + TILE * TILE, 64);
+    }
     _tile_loadd(1, k, stride);
     _tile_dpbf16ps(0, 1, 2);
     _tile_loadd(1, k + 32, stride);
     _tile_dpbf16ps(0, 1, 3);
+    if (a->dim == 128) {
+        _tile_loadd(2, qt + 2 * TILE * TILE, 64);
+        _tile_loadd(3, qt + 3 * TILE * TILE, 64);
+        _tile_loadd(1, k + 64, stride);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_loadd(1, k + 96, stride);
+        _tile_dpbf16ps(0, 1, 3);
+    }
     _tile_stored(0, s, 64);
 }
 
 /* S^T for keys [k0, k0 + KEYS) into s [KEYS][TILE]; keys at or past the context are masked
  * by every query, so their rows are left as they are. */
 static inline void scores(const Args *a, const Chunk *c, const int64_t *table, int64_t kh,
-                          int64_t k0, float *s) {
-    scores16(a, table, kh, k0, s);
-    if (k0 + TILE < c->ctx) scores16(a, table, kh, k0 + TILE, s + TILE * TILE);
+                          int64_t k0, const uint32_t *qt, float *s) {
+    scores16(a, table, kh, k0, qt, s);
+    if (k0 + TILE < c->ctx) scores16(a, table, kh, k0 + TILE, qt, s + TILE * TILE);
 }
 
-static void attend_block(const Args *a, const Chunk *c, int64_t h, int64_t qb) {
+/* Output dims [d0, d0 + OUT_DIMS) of 16 query tokens of head h (block qb of chunk c) */
+static void attend_block(const Args *a, const Chunk *c, int64_t h, int64_t qb, int64_t d0) {
     const int64_t group = a->heads / a->kv_heads, kh = h / group;
     const int64_t first = qb * TILE, n = c->rows - first < TILE ? c->rows - first : TILE;
     const int64_t pos0 = c->ctx - c->rows + first, top = pos0 + n - 1;
     const int64_t *table = a->tables + c->table_row * a->tab_s;
-    uint32_t qt[2 * TILE * TILE] __attribute__((aligned(64)));
+    uint32_t qt[MAX_DIM / 2 * TILE] __attribute__((aligned(64)));
     float s[KEYS * TILE] __attribute__((aligned(64)));
     uint16_t p[KEYS * TILE] __attribute__((aligned(64)));
-    float o[DIM * TILE] __attribute__((aligned(64)));
+    float o[OUT_DIMS * TILE] __attribute__((aligned(64)));
     /* Q^T in dim pairs: qt[half][r][i] = query i's dims (32 half + 2r, +1); rows past the
      * chunk repeat its last query (computed, never stored) */
     int32_t lane[TILE], at[TILE];
@@ -178,11 +194,14 @@ static void attend_block(const Args *a, const Chunk *c, int64_t h, int64_t qb) {
         at[i] = (int32_t)(lane[i] * a->q_rs / 2);
     }
     const __m512i index = _mm512_loadu_si512(at);
-    const int32_t *q = (const int32_t *)(a->query + (c->first_row + first) * a->q_rs + h * DIM);
-    for (int r = 0; r < 2 * TILE; r++)
+    const int32_t *q =
+        (const int32_t *)(a->query + (c->first_row + first) * a->q_rs + h * a->dim);
+    for (int r = 0; r < a->dim / 2; r++)
         _mm512_store_si512(qt + r * TILE, _mm512_i32gather_epi32(index, q + r, 4));
-    _tile_loadd(2, qt, 64);
-    _tile_loadd(3, qt + TILE * TILE, 64);
+    if (a->dim == 64) {
+        _tile_loadd(2, qt, 64);
+        _tile_loadd(3, qt + TILE * TILE, 64);
+    }
     const __m512i pos = _mm512_add_epi32(_mm512_set1_epi32((int32_t)pos0), _mm512_loadu_si512(lane));
     int64_t lo = 0;
     if (a->window > 0 && pos0 - a->window + 1 > 0) lo = (pos0 - a->window + 1) / KEYS * KEYS;
@@ -201,11 +220,11 @@ static void attend_block(const Args *a, const Chunk *c, int64_t h, int64_t qb) {
     _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
-    const bf16 *vt = c->vt + kh * DIM * c->padded;
+    const bf16 *vt = c->vt + (kh * a->dim + d0) * c->padded;
     const long vt_stride = (long)(c->padded * sizeof(bf16));
     __mmask16 seen[KEYS];
     for (int64_t k0 = lo; k0 <= top; k0 += KEYS) {
-        scores(a, c, table, kh, k0, s);
+        scores(a, c, table, kh, k0, qt, s);
         const int whole = k0 >= whole_lo && k0 + KEYS - 1 <= pos0;
         __m512 most = _mm512_set1_ps(-__builtin_inff());
         for (int j = 0; j < KEYS; j++) {
@@ -226,7 +245,7 @@ static void attend_block(const Args *a, const Chunk *c, int64_t h, int64_t qb) {
                 _tile_stored(5, o + 16 * TILE, 64);
                 _tile_stored(6, o + 32 * TILE, 64);
                 _tile_stored(7, o + 48 * TILE, 64);
-                for (int d = 0; d < DIM; d++)
+                for (int d = 0; d < OUT_DIMS; d++)
                     _mm512_store_ps(o + d * TILE, _mm512_mul_ps(_mm512_load_ps(o + d * TILE), alpha));
                 _tile_loadd(4, o, 64);
                 _tile_loadd(5, o + 16 * TILE, 64);
@@ -265,9 +284,9 @@ static void attend_block(const Args *a, const Chunk *c, int64_t h, int64_t qb) {
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
         _mm512_set1_epi32(TILE));
     for (int64_t i = 0; i < n; i++) {
-        bf16 *row = a->out + (c->first_row + first + i) * a->out_rs + h * DIM;
+        bf16 *row = a->out + (c->first_row + first + i) * a->out_rs + h * a->dim + d0;
         const __m512 norm = _mm512_set1_ps(inv[i]);
-        for (int d = 0; d < DIM; d += 16) {
+        for (int d = 0; d < OUT_DIMS; d += 16) {
             const __m512 x = _mm512_i32gather_ps(column, o + d * TILE + i, 4);
             store16_bf16(row + d, _mm512_mul_ps(x, norm));
         }
@@ -284,7 +303,8 @@ int prefill_attention_amx(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
                           const int64_t *rows, const int64_t *ctx, int64_t chunks,
                           int64_t heads, int64_t kv_heads, int64_t dim, float scale,
                           int64_t window, bf16 *out, int64_t out_rs, int nthreads) {
-    if (dim != DIM || page_size % TILE || heads % kv_heads || q_rs % 2) return 1;
+    if ((dim != 64 && dim != 128) || page_size % TILE || heads % kv_heads || q_rs % 2) return 1;
+    const int64_t passes = dim / OUT_DIMS; /* over the output dims, the scores each time */
     Chunk *cs = malloc((size_t)chunks * sizeof(Chunk));
     int64_t *start = malloc((size_t)(chunks + 1) * sizeof(int64_t)); /* items before chunk c */
     if (!cs || !start) {
@@ -297,8 +317,8 @@ int prefill_attention_amx(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t padded = (ctx[c] + KEYS - 1) / KEYS * KEYS;
         cs[c] = (Chunk){table_row[c], first_row[c], rows[c], ctx[c], padded, 0};
-        scratch += (size_t)(kv_heads * DIM * padded);
-        start[c + 1] = start[c] + heads * ((rows[c] + TILE - 1) / TILE);
+        scratch += (size_t)(kv_heads * dim * padded);
+        start[c + 1] = start[c] + passes * heads * ((rows[c] + TILE - 1) / TILE);
     }
     bf16 *vt = aligned_alloc(64, (scratch * sizeof(bf16) + 63) / 64 * 64);
     if (!vt) {
@@ -309,11 +329,11 @@ int prefill_attention_amx(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
     int64_t packs = 0;
     for (int64_t c = 0, used = 0; c < chunks; c++) {
         cs[c].vt = vt + used;
-        used += kv_heads * DIM * cs[c].padded;
+        used += kv_heads * dim * cs[c].padded;
         packs += kv_heads * (cs[c].padded / KEYS);
     }
     const Args a = {query, k_cache, v_cache, q_rs, page_s, tok_s, head_s, page_size, tables,
-                    tab_s, heads, kv_heads, scale, window, out, out_rs};
+                    tab_s, heads, kv_heads, dim, scale, window, out, out_rs};
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
@@ -328,8 +348,9 @@ int prefill_attention_amx(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
             int64_t c = 0;
             while (item >= start[c + 1]) c++;
             const int64_t blocks = (cs[c].rows + TILE - 1) / TILE, rest = item - start[c];
+            const int64_t h = rest / (blocks * passes), more = rest % (blocks * passes);
             /* the last query blocks first: they see the most keys */
-            attend_block(&a, cs + c, rest / blocks, blocks - 1 - rest % blocks);
+            attend_block(&a, cs + c, h, blocks - 1 - more / passes, more % passes * OUT_DIMS);
         }
         _tile_release();
     }

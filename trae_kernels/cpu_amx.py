@@ -4,8 +4,8 @@ page of keys per tile product (``decode``, cpu_native's decode kernel's argument
 
 Where it runs: an x86 CPU with AMX (``amx_bf16``; Intel Xeon from Sapphire Rapids on), the
 kernels built with AMX (``-march=native`` there) and the tile state granted by the OS, bf16
-queries and pages, pages of a multiple of 16 tokens; prompts need head size 64, decodes 64 or
-128 (other shapes go to cpu_native's AVX-512 kernel). Elsewhere the other kernels run.
+queries and pages, pages of a multiple of 16 tokens, head size 64 or 128 (decodes of other
+shapes go to cpu_native's AVX-512 kernel). Elsewhere the other kernels run.
 ``TRAE_AMX_ATTENTION=0`` turns both off. Built on first use like ``cpu_native``'s kernels.
 """
 
@@ -25,7 +25,7 @@ from trae_groups.kernels.torch_shim import address
 
 SOURCE = Path(__file__).with_name("cpu_amx.c")
 ENV_SWITCH = "TRAE_AMX_ATTENTION"  # "0": the AVX-512 and torch kernels instead
-PREFILL_HEAD_SIZE = 64  # DIM in cpu_amx.c's prompt kernel
+HEAD_SIZES = (64, 128)  # what both kernels take (cpu_amx.c)
 TILE_ROWS = 16  # TILE in cpu_amx.c: a page must hold a multiple of it
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -74,7 +74,7 @@ def decodes(dtype: torch.dtype) -> bool:
 
 def supports_prefill(query: torch.Tensor, k_cache, v_cache) -> bool:
     """Whether ``prefill`` takes this layer's prompt chunks."""
-    if not cpu_prompt.takes(query, k_cache, v_cache, torch.bfloat16, (PREFILL_HEAD_SIZE,)):
+    if not cpu_prompt.takes(query, k_cache, v_cache, torch.bfloat16, HEAD_SIZES):
         return False
     return k_cache.shape[1] % TILE_ROWS == 0 and query.stride(0) % 2 == 0 and library() is not None
 
