@@ -125,11 +125,18 @@ def _rotates(cos: torch.Tensor, signed_sin: torch.Tensor, dtype: torch.dtype) ->
 
 
 def modules_of(flat) -> tuple:
-    """Each layer's (qkv, o, gate_up, down) as the flat forward reads them now."""
+    """Each layer's (qkv, o, gate_up, down) as the flat forward reads them now (read from the
+    modules' own ``_modules`` dicts: ``nn.Module.__getattr__`` made this ~0.2 ms a step)."""
+    qkv, gate_up = flat.qkv._modules, flat.gate_up._modules
     return tuple(
-        (flat.qkv[i], layer.block.self_attn.o_proj, flat.gate_up[i], layer.block.mlp.down_proj)
+        (
+            qkv[str(i)],
+            layer.block._modules["self_attn"]._modules["o_proj"],
+            gate_up[str(i)],
+            layer.block._modules["mlp"]._modules["down_proj"],
+        )
         for i, layer in enumerate(flat._layers)
-    )  # fmt: skip
+    )
 
 
 def takes_model(flat) -> bool:

@@ -254,6 +254,13 @@ def score_tokens(
     return list(zip(picked, tops, strict=True))
 
 
+def _plain_greedy(p: SamplingParams) -> bool:
+    """A row whose token is the argmax of its raw logits and that asks for no logprobs."""
+    return (
+        p.greedy and p.repetition_penalty == 1.0 and not p.logit_bias and p.logprobs is None
+    )
+
+
 class Sampler:
     """Samples one token per row. Seeded rows draw from their own generator, so a
     seeded request gives the same tokens whatever else shares its batch."""
@@ -279,6 +286,8 @@ class Sampler:
 
         from trae_groups.kernels import cpu_native
 
+        if masks is None and all(_plain_greedy(p) for p in params):  # the logits as they are
+            return SampleResult(cpu_native.argmax(logits).tolist())
         scored, logits = self.adjust(logits, params, seen, masks)
         tokens = cpu_native.argmax(logits)  # logits.argmax(-1), the same indices
         rows = [i for i, p in enumerate(params) if not p.greedy]

@@ -172,12 +172,13 @@ def test_pointwise_kernels_leave_other_dtypes_to_torch():
     assert not cpu_native.pointwise(torch.zeros(1, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,n", [(1, 17), (3, 100), (5, 31), (32, 49152)])
-def test_argmax_gives_torchs_indices(rows, n):
+def test_argmax_gives_torchs_indices(rows, n, dtype):
     """Ties (the first wins), infinities, a NaN (torch counts it above everything), a row of
     -inf, tails past a whole vector, rows strided in a wider matrix."""
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, n + 7, generator=g)[:, :n]
+    x = torch.randn(rows, n + 7, generator=g).to(dtype)[:, :n]  # bf16: ties by rounding too
     x[0, n // 2] = float("inf")
     if rows > 1:
         x[1, n - 1] = float("nan")

@@ -124,8 +124,10 @@ def _declare(lib: ctypes.CDLL) -> None:
             rotate = getattr(lib, f"rotate_{suffix}")
             rotate.argtypes = [_ptr, *[_i64] * 4, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
             rotate.restype = None
-        lib.argmax_rows_f32.argtypes = [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
-        lib.argmax_rows_f32.restype = None
+        for suffix in _SUFFIX.values():
+            pick = getattr(lib, f"argmax_rows_{suffix}")
+            pick.argtypes = [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
+            pick.restype = None
 
 
 def library() -> ctypes.CDLL | None:
@@ -265,14 +267,14 @@ def pointwise(x: torch.Tensor) -> bool:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(-1)`` for a float32 matrix: the same indices (first maximum; first NaN where
-    a row has one), from a vector kernel where it is built (torch's took 1.6 ms for 32 rows of
-    49,152 logits, this ~0.1 ms)."""
-    if not pointwise(x) or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+    """``x.argmax(-1)`` for a float32 or bf16 matrix: the same indices (first maximum; first
+    NaN where a row has one), from a vector kernel where it is built (torch's took 1.6 ms for
+    32 rows of 49,152 logits, this ~0.1 ms)."""
+    if not pointwise(x) or x.dim() != 2 or x.stride(1) != 1:
         return x.argmax(-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     if x.shape[0] and x.shape[1]:
-        library().argmax_rows_f32(
+        getattr(library(), f"argmax_rows_{_SUFFIX[x.dtype]}")(
             x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], out.data_ptr(),
             torch.get_num_threads(),
         )  # fmt: skip

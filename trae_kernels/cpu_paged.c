@@ -566,49 +566,56 @@ void rotate_bf16(const bf16 *x_, int64_t tokens, int64_t x_rs, int64_t heads, in
     }
 }
 
-/* Greedy picks: out[r] = torch.argmax(x[r]) for float32 rows of n values (row stride rs): the
- * first index of the row's maximum, or of its first NaN (torch counts NaN above everything).
- * torch's argmax walked a [32, 49152] batch of logits in 1.6 ms here (a scalar reduction);
- * this is a max pass and a find pass over each row, both vector. */
-void argmax_rows_f32(const float *x, int64_t rows, int64_t rs, int64_t n, int64_t *out,
-                     int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * n >= 65536) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * rs;
-        __m512 top = _mm512_set1_ps(-__builtin_inff());
-        __mmask16 nan = 0;
-        int64_t i = 0;
-        for (; i + 16 <= n && !nan; i += 16) {
-            const __m512 v = _mm512_loadu_ps(row + i);
-            nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            top = _mm512_max_ps(top, v);
-        }
-        float most = _mm512_reduce_max_ps(top);
-        int64_t at = -1;
-        if (nan) {
-            at = i - 16 + __builtin_ctz(nan);
-        } else {
-            for (int64_t j = i; j < n; j++) {
-                if (row[j] != row[j]) {
-                    at = j;
-                    break;
-                }
-                most = row[j] > most ? row[j] : most;
-            }
-        }
-        if (at < 0) {
-            const __m512 m = _mm512_set1_ps(most);
-            for (i = 0; i + 16 <= n; i += 16) {
-                const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), m, _CMP_EQ_OQ);
-                if (hit) {
-                    at = i + __builtin_ctz(hit);
-                    break;
-                }
-            }
-            for (int64_t j = i; at < 0 && j < n; j++)
-                if (row[j] == most) at = j;
-        }
-        out[r] = at < 0 ? 0 : at;
+/* Greedy picks: out[r] = torch.argmax(x[r]) for float32 or bf16 rows of n values (row stride
+ * rs): the first index of the row's maximum, or of its first NaN (torch counts NaN above
+ * everything). torch's argmax walked a [32, 49152] batch of logits in 1.6 ms here (a scalar
+ * reduction); this is a max pass and a find pass over each row, both vector. */
+#define LOAD16_ARGMAX_f32(p) _mm512_loadu_ps(p)
+#define LOAD16_ARGMAX_bf16(p) load16_bf16(p)
+#define DEFINE_ARGMAX(T)                                                                     \
+    void argmax_rows_##T(const T *x, int64_t rows, int64_t rs, int64_t n, int64_t *out,      \
+                         int threads) {                                                      \
+        _Pragma("omp parallel for num_threads(threads) if (rows * n >= 65536) schedule(static)") \
+        for (int64_t r = 0; r < rows; r++) {                                                 \
+            const T *row = x + r * rs;                                                       \
+            __m512 top = _mm512_set1_ps(-__builtin_inff());                                  \
+            __mmask16 nan = 0;                                                               \
+            int64_t i = 0;                                                                   \
+            for (; i + 16 <= n && !nan; i += 16) {                                           \
+                const __m512 v = LOAD16_ARGMAX_##T(row + i);                                 \
+                nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                \
+                top = _mm512_max_ps(top, v);                                                 \
+            }                                                                                \
+            float most = _mm512_reduce_max_ps(top);                                          \
+            int64_t at = -1;                                                                 \
+            if (nan) {                                                                       \
+                at = i - 16 + __builtin_ctz(nan);                                            \
+            } else {                                                                         \
+                for (int64_t j = i; j < n; j++) {                                            \
+                    const float v = LOAD_##T(row, j);                                        \
+                    if (v != v) {                                                            \
+                        at = j;                                                              \
+                        break;                                                               \
+                    }                                                                        \
+                    most = v > most ? v : most;                                              \
+                }                                                                            \
+            }                                                                                \
+            if (at < 0) {                                                                    \
+                const __m512 m = _mm512_set1_ps(most);                                       \
+                for (i = 0; i + 16 <= n; i += 16) {                                          \
+                    const __mmask16 hit =                                                    \
+                        _mm512_cmp_ps_mask(LOAD16_ARGMAX_##T(row + i), m, _CMP_EQ_OQ);       \
+                    if (hit) {                                                               \
+                        at = i + __builtin_ctz(hit);                                         \
+                        break;                                                               \
+                    }                                                                        \
+                }                                                                            \
+                for (int64_t j = i; at < 0 && j < n; j++)                                    \
+                    if (LOAD_##T(row, j) == most) at = j;                                    \
+            }                                                                                \
+            out[r] = at < 0 ? 0 : at;                                                        \
+        }                                                                                    \
     }
-}
+DEFINE_ARGMAX(f32)
+DEFINE_ARGMAX(bf16)
 #endif
