@@ -198,10 +198,10 @@ def _build(flat, kv, modules) -> tuple | None:
         row.window = layer.window or 0
         if flat.kind == "qwen3":
             attn = block.self_attn
-            weight, ones = flat._head_norm_weights(layer, attn)
+            weight = flat._head_norm_weights(layer, attn)
             eps.update((attn.q_norm.variance_epsilon, attn.k_norm.variance_epsilon))
-            row.head_w, row.head_ones = weight.data_ptr(), ones.data_ptr()
-            tensors += [weight, ones]
+            row.head_w = weight.data_ptr()
+            tensors.append(weight)
         if not all(w.dtype == dtype and w.is_contiguous() for w in tensors):
             return None
         held.append(tensors)

@@ -189,3 +189,28 @@ def test_argmax_gives_torchs_indices(rows, n, dtype):
         x[3, 3], x[3, n - 2] = top + 1, top + 1
     assert torch.equal(cpu_native.argmax(x), x.argmax(-1))
     assert torch.equal(cpu_native.argmax(x.contiguous()), x.argmax(-1))
+
+
+@needs_pointwise
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [0, 1, 33])
+def test_head_norms_are_qwen3s_rmsnorm_on_the_fused_output(tokens, dtype):
+    """transformers' Qwen3RMSNorm per head (normalized, rounded to the dtype, weighted), read in
+    place from a strided view of a fused q/k/v output: equal within one rounding of the dtype."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, dim = 4, 2, 64
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 3).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+    q_norm, k_norm = Qwen3RMSNorm(dim, eps=1e-6).to(dtype), Qwen3RMSNorm(dim, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        q_norm.weight.copy_(torch.rand(dim, generator=g) + 0.5)
+        k_norm.weight.copy_(torch.rand(dim, generator=g) + 0.5)
+    weight = torch.cat((q_norm.weight.expand(heads, -1), k_norm.weight.expand(kv_heads, -1)))
+    got = cpu_native.head_norms(qk, weight.detach().contiguous(), 1e-6)
+    with torch.no_grad():
+        want = torch.cat((q_norm(qk[:, :heads]), k_norm(qk[:, heads:])), dim=1)
+    assert got.shape == want.shape and got.is_contiguous()
+    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * ulp, atol=1e-6)

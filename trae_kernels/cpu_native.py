@@ -125,6 +125,9 @@ def _declare(lib: ctypes.CDLL) -> None:
             rotate.argtypes = [_ptr, *[_i64] * 4, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
             rotate.restype = None
         for suffix in _SUFFIX.values():
+            norms = getattr(lib, f"head_norms_{suffix}")
+            norms.argtypes = [_ptr, *[_i64] * 4, _ptr, ctypes.c_double, _ptr, ctypes.c_int]
+            norms.restype = None
             pick = getattr(lib, f"argmax_rows_{suffix}")
             pick.argtypes = [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
             pick.restype = None
@@ -280,6 +283,27 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
         )  # fmt: skip
         return out
     return x.argmax(-1)
+
+
+def head_norms(qk: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """Qwen3's RMSNorm over each head of ``qk`` [T, heads, dim] (heads packed, rows strided:
+    the fused q/k/v output in place), weighted by ``weight`` [heads, dim], rounded as
+    transformers' Qwen3RMSNorm rounds (normalized, then weighted); packed [T, heads, dim], or
+    None where the kernel does not take these."""
+    if not pointwise(qk) or qk.dim() != 3 or qk.stride(2) != 1:
+        return None
+    t, heads, dim = qk.shape
+    if qk.stride(1) != dim or dim % 16 or weight.dtype != qk.dtype:
+        return None
+    if weight.shape != (heads, dim) or not weight.is_contiguous():
+        return None
+    out = torch.empty((t, heads, dim), dtype=qk.dtype)
+    if t:
+        getattr(library(), f"head_norms_{_SUFFIX[qk.dtype]}")(
+            qk.data_ptr(), t, qk.stride(0), heads, dim, weight.data_ptr(), eps, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor | None:

@@ -503,16 +503,6 @@ void silu_mul_f32(const float *gu, int64_t rows, int64_t gu_rs, int64_t n, float
     }
 }
 
-void mul_rows_f32(float *x, int64_t rows, const float *w, int64_t width) {
-    for (int64_t r = 0; r < rows; r++) {
-        float *row = x + r * width;
-        int64_t i = 0;
-        for (; i + 16 <= width; i += 16)
-            store16_f32(row + i, _mm512_mul_ps(load16_f32(row + i), load16_f32(w + i)));
-        for (; i < width; i++) row[i] *= w[i];
-    }
-}
-
 /* out[t, h] = x * cos + swapped(x) * ssin, as rotate_bf16 lays it out; dim % 32 == 0 */
 void rotate_f32(const float *x_, int64_t tokens, int64_t x_rs, int64_t heads, int64_t dim,
                 const float *cos_, const float *ssin_, int64_t cs_rs, float *out, int threads) {
@@ -530,18 +520,6 @@ void rotate_f32(const float *x_, int64_t tokens, int64_t x_rs, int64_t heads, in
                 store16_f32(o + i, _mm512_add_ps(a, b));
             }
         }
-    }
-}
-
-/* x[r, i] = bf16(x[r, i] * w[i]) in place, rows of ``width`` (Qwen3's per-head norm weights
- * after its weightless norm, trae_kernels/zen_layers.c): torch's bf16 product's rounding */
-void mul_rows_bf16(bf16 *x, int64_t rows, const bf16 *w, int64_t width) {
-    for (int64_t r = 0; r < rows; r++) {
-        bf16 *row = x + r * width;
-        int64_t i = 0;
-        for (; i + 16 <= width; i += 16)
-            store16_bf16(row + i, _mm512_mul_ps(load16_bf16(row + i), load16_bf16(w + i)));
-        for (; i < width; i++) row[i] = f32_to_bf16(bf16_to_f32(row[i]) * bf16_to_f32(w[i]));
     }
 }
 
@@ -566,12 +544,46 @@ void rotate_bf16(const bf16 *x_, int64_t tokens, int64_t x_rs, int64_t heads, in
     }
 }
 
+/* Qwen3's RMSNorm over each q and k head, as transformers' Qwen3RMSNorm computes it: the sum
+ * of squares in float32, x * rsqrt(mean + eps) rounded to the dtype, then times the head's
+ * weight, rounded again. x = x_[t * x_rs + h * dim] (the fused q/k/v output, read in place);
+ * w [heads, dim] (q's weight for each query head, then k's); out packed [tokens, heads, dim];
+ * dim % 16 == 0. One pass where a copy, a norm and a product were three. */
+#define DEFINE_HEAD_NORMS(T)                                                                 \
+    void head_norms_##T(const T *x_, int64_t tokens, int64_t x_rs, int64_t heads,            \
+                        int64_t dim, const T *w, double eps, T *out, int threads) {          \
+        _Pragma("omp parallel for num_threads(threads) if (tokens * heads * dim >= 32768) schedule(static)") \
+        for (int64_t t = 0; t < tokens; t++) {                                               \
+            for (int64_t h = 0; h < heads; h++) {                                            \
+                const T *x = x_ + t * x_rs + h * dim;                                        \
+                T *o = out + (t * heads + h) * dim;                                          \
+                __m512 sq = _mm512_setzero_ps();                                             \
+                for (int64_t i = 0; i < dim; i += 16) {                                      \
+                    const __m512 v = LOAD16_##T(x + i);                                      \
+                    sq = _mm512_fmadd_ps(v, v, sq);                                          \
+                }                                                                            \
+                const float mean = _mm512_reduce_add_ps(sq) / (float)dim;                    \
+                const __m512 inv = _mm512_set1_ps(1.0f / __builtin_sqrtf(mean + (float)eps)); \
+                for (int64_t i = 0; i < dim; i += 16) {                                      \
+                    const __m512 y = ROUND16_##T(_mm512_mul_ps(LOAD16_##T(x + i), inv));     \
+                    STORE16_##T(o + i, _mm512_mul_ps(y, LOAD16_##T(w + h * dim + i)));       \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+    }
+#define LOAD16_f32(p) _mm512_loadu_ps(p)
+#define LOAD16_bf16(p) load16_bf16(p)
+#define ROUND16_f32(x) (x)
+#define ROUND16_bf16(x) round_bf16_16(x)
+#define STORE16_f32(p, x) _mm512_storeu_ps(p, x)
+#define STORE16_bf16(p, x) store16_bf16(p, x)
+DEFINE_HEAD_NORMS(f32)
+DEFINE_HEAD_NORMS(bf16)
+
 /* Greedy picks: out[r] = torch.argmax(x[r]) for float32 or bf16 rows of n values (row stride
  * rs): the first index of the row's maximum, or of its first NaN (torch counts NaN above
  * everything). torch's argmax walked a [32, 49152] batch of logits in 1.6 ms here (a scalar
  * reduction); this is a max pass and a find pass over each row, both vector. */
-#define LOAD16_ARGMAX_f32(p) _mm512_loadu_ps(p)
-#define LOAD16_ARGMAX_bf16(p) load16_bf16(p)
 #define DEFINE_ARGMAX(T)                                                                     \
     void argmax_rows_##T(const T *x, int64_t rows, int64_t rs, int64_t n, int64_t *out,      \
                          int threads) {                                                      \
@@ -582,7 +594,7 @@ void rotate_bf16(const bf16 *x_, int64_t tokens, int64_t x_rs, int64_t heads, in
             __mmask16 nan = 0;                                                               \
             int64_t i = 0;                                                                   \
             for (; i + 16 <= n && !nan; i += 16) {                                           \
-                const __m512 v = LOAD16_ARGMAX_##T(row + i);                                 \
+                const __m512 v = LOAD16_##T(row + i);                                 \
                 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                \
                 top = _mm512_max_ps(top, v);                                                 \
             }                                                                                \
@@ -604,7 +616,7 @@ void rotate_bf16(const bf16 *x_, int64_t tokens, int64_t x_rs, int64_t heads, in
                 const __m512 m = _mm512_set1_ps(most);                                       \
                 for (i = 0; i + 16 <= n; i += 16) {                                          \
                     const __mmask16 hit =                                                    \
-                        _mm512_cmp_ps_mask(LOAD16_ARGMAX_##T(row + i), m, _CMP_EQ_OQ);       \
+                        _mm512_cmp_ps_mask(LOAD16_##T(row + i), m, _CMP_EQ_OQ);       \
                     if (hit) {                                                               \
                         at = i + __builtin_ctz(hit);                                         \
                         break;                                                               \

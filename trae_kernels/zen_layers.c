@@ -1,7 +1,7 @@
 /* A bf16 or float32 decoder's layer stack in one call: the flat forward's per-layer kernels
- * (zentorch's or oneDNN's linears, zentorch's norms, our rotation, K/V store, paged attention
- * and SiLU-and-multiply), in the flat forward's order, on the same buffers, from C instead of
- * Python.
+ * (zentorch's or oneDNN's linears, zentorch's add-and-norm, our head norms, rotation, K/V
+ * store, paged attention and SiLU-and-multiply), in the flat forward's order, on the same
+ * buffers, from C instead of Python.
  *
  * Why: a SmolLM2 decode step calls ~300 kernels, and each call from Python costs 6-10 us of
  * wrapper, ctypes and tensor allocation besides the glue between them: ~3 ms of a 21 ms
@@ -22,8 +22,6 @@ typedef int32_t (*linear_fn)(void *x, int64_t rows, int64_t k, int64_t x_rs, voi
                              int64_t n, int32_t dtype, void *weight, void *bias);
 typedef int32_t (*add_norm_fn)(void *hidden, void *residual, int64_t rows, int64_t dim,
                                int32_t dtype, void *weight, double eps);
-typedef int32_t (*norm_fn)(void *x, void *out, int64_t rows, int64_t dim, int32_t dtype,
-                           int64_t size, void *weight, double eps);
 typedef void (*rotate_fn)(const void *x, int64_t tokens, int64_t x_rs, int64_t heads,
                           int64_t dim, const void *cos, const void *ssin, int64_t cs_rs,
                           void *out, int threads);
@@ -39,14 +37,15 @@ typedef void (*attend_fn)(const void *query, int64_t q_rs, const void *k_cache,
                           int64_t window, void *out, int64_t out_rs, int nthreads);
 typedef void (*silu_fn)(const void *gu, int64_t rows, int64_t gu_rs, int64_t n, void *out,
                         int64_t out_rs, int threads);
-typedef void (*mul_fn)(void *x, int64_t rows, const void *w, int64_t width);
+typedef void (*head_norms_fn)(const void *x, int64_t tokens, int64_t x_rs, int64_t heads,
+                              int64_t dim, const void *w, double eps, void *out, int threads);
 
 typedef struct {
     rotate_fn rotate;
     store_fn store;
     attend_fn attend;
     silu_fn silu_mul;
-    mul_fn mul_rows;
+    head_norms_fn head_norms;
 } Kernels;
 
 enum { KINDS = 2 }; /* Step.kind: 0 bf16, 1 float32 (zen_layers.py's KINDS) */
@@ -54,14 +53,10 @@ enum { LIBRARIES = 2 }; /* Step.library: 0 zentorch, 1 oneDNN (zen_layers.py's L
 
 static linear_fn linears[LIBRARIES];
 static add_norm_fn add_norm;
-static norm_fn norm;
 static Kernels kernels[KINDS];
 
-/* zentorch's norms, which take every dtype (a code per call) */
-void layers_bind(void *add_norm_f, void *norm_f) {
-    add_norm = (add_norm_fn)add_norm_f;
-    norm = (norm_fn)norm_f;
-}
+/* zentorch's fused add-and-norm, which takes every dtype (a code per call) */
+void layers_bind(void *add_norm_f) { add_norm = (add_norm_fn)add_norm_f; }
 
 /* One library's linear: its weights are what that library's caller takes (zentorch's packed
  * data, a oneDNN weight's tensor handle); 0 on success */
@@ -73,10 +68,10 @@ int32_t layers_bind_linear(int64_t library, void *linear_f) {
 
 /* One element type's kernels; 0 on success */
 int32_t layers_bind_kind(int64_t kind, void *rotate_f, void *store_f, void *attend_f,
-                         void *silu_f, void *mul_f) {
+                         void *silu_f, void *head_norms_f) {
     if (kind < 0 || kind >= KINDS) return -1;
     kernels[kind] = (Kernels){(rotate_fn)rotate_f, (store_fn)store_f, (attend_fn)attend_f,
-                              (silu_fn)silu_f, (mul_fn)mul_f};
+                              (silu_fn)silu_f, (head_norms_fn)head_norms_f};
     return 0;
 }
 
@@ -107,24 +102,18 @@ typedef struct {
     void *in_norm, *post_norm;
     void *qkv_w, *qkv_b, *o_w, *o_b, *gate_up_w, *gate_up_b, *down_w, *down_b;
     void *k_cache, *v_cache;
-    void *head_w, *head_ones; /* Qwen3: q's and k's norm weights side by side; ones */
+    void *head_w;             /* Qwen3: q's and k's norm weights side by side */
     int64_t window;           /* 0: none */
 } Layer;
 
 #define AT(p, i) ((char *)(p) + (i) * s->elem) /* element i of a buffer of the step's type */
 
-/* Qwen3's head norms as flat_forward._head_norms runs them: the q and k heads copied packed,
- * normalized without weight, then multiplied by their weights (rounded once more in bf16). */
-static int32_t head_norms(const Step *s, const Layer *l, const Kernels *k) {
+/* Qwen3's head norms as flat_forward._head_norms runs them: every q and k head normalized and
+ * weighted, from the fused q/k/v output into ``normed`` (packed). */
+static void head_norms(const Step *s, const Layer *l, const Kernels *k) {
     const int64_t heads = s->heads + s->kv_heads, n_qkv = (heads + s->kv_heads) * s->dim;
-    const int64_t width = heads * s->dim;
-    for (int64_t r = 0; r < s->rows; r++)
-        memcpy(AT(s->rotated, r * width), AT(s->qkv, r * n_qkv), (size_t)(width * s->elem));
-    int32_t err = norm(s->rotated, s->normed, s->rows * heads, s->dim, (int32_t)s->dtype,
-                       s->elem, l->head_ones, s->eps);
-    if (err) return err;
-    k->mul_rows(s->normed, s->rows, l->head_w, width);
-    return 0;
+    k->head_norms(s->qkv, s->rows, n_qkv, heads, s->dim, l->head_w, s->eps, s->normed,
+                  (int)s->threads);
 }
 
 static int32_t attention(const Step *s, const Layer *l, const Kernels *k) {
@@ -134,8 +123,7 @@ static int32_t attention(const Step *s, const Layer *l, const Kernels *k) {
     const void *qk = s->qkv;
     int64_t qk_in_rs = n_qkv;
     if (s->head_norms) {
-        int32_t err = head_norms(s, l, k);
-        if (err) return err;
+        head_norms(s, l, k);
         qk = s->normed;
         qk_in_rs = qk_rs;
     }

@@ -64,7 +64,7 @@ class Layer(ctypes.Structure):
     _fields_ = [
         *((name, _ptr) for name in (
             "in_norm", "post_norm", "qkv_w", "qkv_b", "o_w", "o_b", "gate_up_w", "gate_up_b",
-            "down_w", "down_b", "k_cache", "v_cache", "head_w", "head_ones",
+            "down_w", "down_b", "k_cache", "v_cache", "head_w",
         )),
         ("window", _i64),
     ]  # fmt: skip
@@ -77,9 +77,9 @@ def _load() -> ctypes.CDLL:
     if zen is None or native is None or not hasattr(native, "silu_mul_f32"):
         raise RuntimeError("needs zentorch's C shims and the AVX-512 build of cpu_paged.c")
     lib = ctypes.CDLL(str(cpu_native.build(cpu_native.compiler(), SOURCE)))
-    lib.layers_bind.argtypes = [_ptr] * 2
+    lib.layers_bind.argtypes = [_ptr]
     lib.layers_bind.restype = None
-    lib.layers_bind(*(address(zen, f) for f in ("zen_add_rms_norm", "zen_rms_norm")))
+    lib.layers_bind(address(zen, "zen_add_rms_norm"))
     lib.layers_bind_linear.argtypes = [_i64, _ptr]
     lib.layers_bind_linear.restype = ctypes.c_int32
     onednn = onednn_calls.library()
@@ -92,11 +92,12 @@ def _load() -> ctypes.CDLL:
     lib.layers_bind_kind.restype = ctypes.c_int32
     for kind, dtype in enumerate(KINDS):
         suffix = cpu_native.suffix(dtype)
-        rotate, store, silu, mul = (
-            address(native, f"{n}_{suffix}") for n in ("rotate", "store_kv", "silu_mul", "mul_rows")
+        rotate, store, silu, head_norms = (
+            address(native, f"{n}_{suffix}")
+            for n in ("rotate", "store_kv", "silu_mul", "head_norms")
         )
         attend = ctypes.cast(cpu_native.decode_kernel(dtype), _ptr).value  # AMX's where it loads
-        if lib.layers_bind_kind(kind, rotate, store, attend, silu, mul):
+        if lib.layers_bind_kind(kind, rotate, store, attend, silu, head_norms):
             raise RuntimeError("zen_layers.c has fewer element types than zen_layers.KINDS")
     lib.decoder_layers.argtypes = [ctypes.POINTER(Step), ctypes.POINTER(Layer), _i64]
     lib.decoder_layers.restype = ctypes.c_int32
