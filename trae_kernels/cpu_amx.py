@@ -12,8 +12,6 @@ shapes go to cpu_native's AVX-512 kernel). Elsewhere the other kernels run.
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -34,13 +32,10 @@ turned_off = _switch.turned_off  # this thread runs the other kernels meanwhile 
 
 
 def _load() -> ctypes.CDLL:
-    if os.environ.get(ENV_SWITCH) == "0":
-        raise RuntimeError(f"{ENV_SWITCH}=0")
-    cc = cpu_native.compiler()
     native = cpu_native.library()
-    if cc is None or native is None:
-        raise RuntimeError("no C compiler, or cpu_native's kernels are off")
-    lib = ctypes.CDLL(str(cpu_native.build(cc, SOURCE)))
+    if native is None:
+        raise RuntimeError("cpu_native's kernels are off")
+    lib = cpu_native.built(SOURCE, ENV_SWITCH)
     if not hasattr(lib, "prefill_attention_amx"):
         raise RuntimeError("no AMX on this CPU (or in this compiler)")
     lib.amx_init.argtypes = [_ptr]
@@ -53,11 +48,7 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-_loaded = LoadOnce(
-    _load,
-    (OSError, AttributeError, RuntimeError, subprocess.SubprocessError),
-    "attention on the AVX-512 and torch kernels",
-)
+_loaded = LoadOnce(_load, cpu_native.LOAD_ERRORS, "attention on the AVX-512 and torch kernels")
 
 
 def library() -> ctypes.CDLL | None:

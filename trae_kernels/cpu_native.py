@@ -104,6 +104,21 @@ def build(cc: str, source: Path = SOURCE) -> Path:
     return target
 
 
+# what loading a built kernel library may raise (LoadOnce logs it and runs without)
+LOAD_ERRORS = (OSError, AttributeError, RuntimeError, subprocess.SubprocessError)
+
+
+def built(source: Path, switch: str | None = None) -> ctypes.CDLL:
+    """``source`` built (once, cached) and loaded; RuntimeError where the environment switch
+    ``switch`` says "0" or there is no C compiler."""
+    if switch and os.environ.get(switch) == "0":
+        raise RuntimeError(f"{switch}=0")
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang)")
+    return ctypes.CDLL(str(build(cc, source)))
+
+
 def _declare(lib: ctypes.CDLL) -> None:
     for suffix in _SUFFIX.values():
         store = getattr(lib, f"store_kv_{suffix}")

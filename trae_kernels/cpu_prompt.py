@@ -11,8 +11,6 @@ Where it runs: an AVX-512 build of the kernel, float32 queries and pages, head s
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -37,12 +35,7 @@ turned_off = _switch.turned_off  # this thread runs torch's kernel meanwhile (te
 
 
 def _load() -> ctypes.CDLL:
-    if os.environ.get(ENV_SWITCH) == "0":
-        raise RuntimeError(f"{ENV_SWITCH}=0")
-    cc = cpu_native.compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang)")
-    lib = ctypes.CDLL(str(cpu_native.build(cc, SOURCE)))
+    lib = cpu_native.built(SOURCE, ENV_SWITCH)
     if not hasattr(lib, "prefill_attention_f32"):
         raise RuntimeError("no AVX-512 on this CPU (or in this compiler)")
     lib.prefill_attention_f32.argtypes = ARGTYPES
@@ -50,11 +43,7 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-_loaded = LoadOnce(
-    _load,
-    (OSError, AttributeError, RuntimeError, subprocess.SubprocessError),
-    "float32 prompt attention on torch's kernel",
-)
+_loaded = LoadOnce(_load, cpu_native.LOAD_ERRORS, "float32 prompt attention on torch's kernel")
 
 
 def library() -> ctypes.CDLL | None:

@@ -9,7 +9,6 @@ where it cannot be had (no C compiler, torch without oneDNN) the layer loop stay
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from pathlib import Path
 
 import torch
@@ -22,12 +21,9 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
 
 def _load() -> ctypes.CDLL:
-    cc = cpu_native.compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang)")
     if not torch.backends.mkldnn.is_available():
         raise RuntimeError("torch was built without oneDNN")
-    lib = ctypes.CDLL(str(cpu_native.build(cc, SOURCE)))
+    lib = cpu_native.built(SOURCE)
     lib.onednn_bind.argtypes = [_ptr] * 4 + [_i32] * 3
     lib.onednn_bind.restype = None
     lib.onednn_bind(
@@ -42,11 +38,7 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-_loaded = LoadOnce(
-    _load,
-    (OSError, AttributeError, RuntimeError, subprocess.SubprocessError),
-    "oneDNN's linears are called from Python only",
-)
+_loaded = LoadOnce(_load, cpu_native.LOAD_ERRORS, "oneDNN's linears are called from Python only")
 
 
 def library() -> ctypes.CDLL | None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -26,17 +25,14 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 def _load() -> ctypes.CDLL:
     if os.environ.get(ENV_SWITCH) == "0":
         raise RuntimeError(f"{ENV_SWITCH}=0")
-    # the shims' library by its path, not ``import zentorch``: that import costs ~1.9 s and ~200
-    # MB (torch's inductor, for compile passes the engine does not use); engine/fast_linear.py
-    # loaded zentorch's op library, which this one serves
+    # the shims' library by its path, not ``import zentorch``: that import took ~1.9 s alone
+    # and ~50 MB in an engine process (its compile passes, which the engine does not use);
+    # engine/fast_linear.py loaded zentorch's op library, which this one serves
     spec = importlib.util.find_spec("zentorch")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("zentorch is not installed")
-    cc = cpu_native.compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang)")
     zen = ctypes.CDLL(str(Path(spec.submodule_search_locations[0]) / "libzentorch.so"))
-    lib = ctypes.CDLL(str(cpu_native.build(cc, SOURCE)))
+    lib = cpu_native.built(SOURCE)
     lib.zen_bind.argtypes = [_ptr] * 6 + [_i32]
     lib.zen_bind.restype = None
     lib.zen_bind(
@@ -57,7 +53,7 @@ def _load() -> ctypes.CDLL:
 
 _loaded = LoadOnce(
     _load,
-    (ImportError, ValueError, OSError, AttributeError, RuntimeError, subprocess.SubprocessError),
+    (ImportError, ValueError, *cpu_native.LOAD_ERRORS),
     "zentorch called through torch's dispatcher (it leaks per call)",
 )
 

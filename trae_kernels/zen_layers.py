@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -76,7 +75,7 @@ def _load() -> ctypes.CDLL:
     zen, native = zen_calls.library(), cpu_native.library()
     if zen is None or native is None or not hasattr(native, "silu_mul_f32"):
         raise RuntimeError("needs zentorch's C shims and the AVX-512 build of cpu_paged.c")
-    lib = ctypes.CDLL(str(cpu_native.build(cpu_native.compiler(), SOURCE)))
+    lib = cpu_native.built(SOURCE)
     lib.layers_bind.argtypes = [_ptr]
     lib.layers_bind.restype = None
     lib.layers_bind(address(zen, "zen_add_rms_norm"))
@@ -106,7 +105,7 @@ def _load() -> ctypes.CDLL:
 
 _loaded = LoadOnce(
     _load,
-    (OSError, AttributeError, RuntimeError, subprocess.SubprocessError),
+    cpu_native.LOAD_ERRORS,
     "the flat forward's layers loop in Python",
 )
 
