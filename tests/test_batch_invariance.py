@@ -33,12 +33,16 @@ def wide_llm(tmp_path_factory):
 def _runs(path, dtype: str, **cfg):
     """The first prompt's output alone, then beside the second, then alone verifying a draft's
     proposals: each prompt cached first, so every run computes its rows the same way (a
-    prompt's last token over its cached prefix, then one row per decode)."""
+    prompt's last token over its cached prefix, then one row per decode). Each is cached by
+    itself: two prompts submitted together share a prefill step or not as the loop thread
+    picks them up (a loaded machine changes which), and a bf16 prefill's bits follow what
+    shares its step."""
     outs = []
     for batch, spec in ((1, None), (2, None), (1, DRAFT)):
         models = {"m": path} if spec is None else {"draft": path, "m": path}
         with engine(models, dtype=dtype, fast_linear=True, speculative=spec, **cfg) as eng:
-            eng.generate(PROMPTS, SamplingParams(max_tokens=1), model="m")
+            for prompt in PROMPTS:
+                eng.generate([prompt], SamplingParams(max_tokens=1), model="m")
             outs.append(eng.generate(PROMPTS[:batch], PARAMS, model="m")[0])
             if spec is not None:  # proposals were verified, most kept
                 counters = eng.llms["m"].speculator.counters
@@ -59,9 +63,8 @@ def test_alone_batched_and_verifying_rows_get_the_same_tokens_and_logprobs(wide_
 
 
 def test_the_native_pointwise_kernels_change_no_bit_of_a_bf16_generation(wide_llm, monkeypatch):
-    """One engine, the prompts cached first as in ``_runs`` (on a loaded machine a bf16 prompt
-    step's logits are not always the same bits from run to run, with or without these
-    kernels: its prefill runs once), then with the native kernels and without them."""
+    """One engine, the prompts cached first as in ``_runs`` (their prefill runs once, so
+    its bits are the same for both), then with the native kernels and without them."""
     from trae_groups.kernels import cpu_native
 
     if not cpu_native.pointwise(torch.zeros(1, dtype=torch.bfloat16)):
