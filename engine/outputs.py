@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from trae_groups.engine.detokenizer import find_stop, update_text
+from trae_groups.engine.detokenizer import find_stop, text_decoder, update_text
 from trae_groups.engine.loop_post import loop_post
 from trae_groups.engine.protocol import TokenLogprob
 from trae_groups.engine.sequence import RequestOutput, Sequence
@@ -35,6 +35,7 @@ class Outputs:
     def __init__(self, name: str, tokenizer, eos: set[int], max_model_len: int):
         self.name = name
         self.tokenizer = tokenizer
+        self._decode = None if tokenizer is None else text_decoder(tokenizer)
         self.eos_ids = eos
         self.max_model_len = max_model_len
         self._texts: dict[int, str] = {}  # each token's own text, as logprobs show it
@@ -42,27 +43,27 @@ class Outputs:
     def finish_reason(self, seq: Sequence, token: int) -> str | None:
         """After ``token`` was appended: why the sequence ends here, or None."""
         params = seq.params
-        tokenizer = self.tokenizer
+        decode = self._decode
         if seq.matcher is not None:
             seq.matcher.consume_token(token)
             if seq.matcher.is_stopped() and token not in self.eos_ids:  # complete: no token fits
-                if tokenizer is not None:
-                    update_text(seq, tokenizer, params.skip_special_tokens, final=True)
+                if decode is not None:
+                    update_text(seq, decode, params.skip_special_tokens, final=True)
                 return "stop"
         if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
-            if tokenizer is not None:  # the stop token's own text is not part of the reply
-                update_text(seq, tokenizer, params.skip_special_tokens, final=True, upto=-1)
+            if decode is not None:  # the stop token's own text is not part of the reply
+                update_text(seq, decode, params.skip_special_tokens, final=True, upto=-1)
             return "stop"
-        if tokenizer is not None:
+        if decode is not None:
             searched = len(seq.text)
-            update_text(seq, tokenizer, params.skip_special_tokens)
+            update_text(seq, decode, params.skip_special_tokens)
             cut = find_stop(seq.text, params.stop, searched)
             if cut is not None:
                 seq.text = seq.text[:cut]
                 return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            if tokenizer is not None:
-                update_text(seq, tokenizer, params.skip_special_tokens, final=True)
+            if decode is not None:
+                update_text(seq, decode, params.skip_special_tokens, final=True)
             return "length"
         return None
 

