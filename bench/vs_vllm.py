@@ -571,32 +571,48 @@ def _run_workers(args, dtype, workloads, decode_prompt, workers, argv, pool) -> 
     return {"workers": workers, "res": res, "changed": changed, "pool": pool}
 
 
+def by_round(ours: list[float], theirs: list[float]) -> str:
+    """The median of the rounds' ratios; empty where a failed job left the lists unpaired."""
+    if len(ours) != len(theirs) or not ours:
+        return ""
+    return f"{statistics.median(a / b for a, b in zip(ours, theirs, strict=True)):.2f}x"
+
+
 def report(args, dtype: str, out: dict, workloads: dict) -> None:
     res, workers = out["res"], out["workers"]
     kinds = [w.kind for w in workers]
     base = res.get("vllm")
     print(
         f"\n## {dtype}: offline output tok/s, median [min-max] of {args.rounds} rounds "
-        f"(x vLLM: this engine's median / vLLM's; the trae-groups row is ours/vLLM)"
+        f"(x vLLM: this engine's median / vLLM's; the trae-groups row is ours/vLLM; by round:"
+        f" the median of each round's ratio, which a host whose speed drifts between rounds"
+        f" moves less)"
     )
-    print(f"{'engine':<13} {'dtype':<9} {'workload':<28} {'tok/s [min-max]':<26} {'x vLLM':>7}")
+    print(
+        f"{'engine':<13} {'dtype':<9} {'workload':<28} {'tok/s [min-max]':<26} {'x vLLM':>7}"
+        f" {'by round':>8}"
+    )
     for key, (prompts, new) in workloads.items():
         label = f"{len(prompts)} x {len(prompts[0])} tok, {new} new"
         for kind in kinds:
             xs = res[kind]["tps"][key]
-            ratio = ""
+            ratio = rounds = ""
             if base and base["tps"][key] and xs:
                 ratio = f"{statistics.median(xs) / statistics.median(base['tps'][key]):.2f}x"
-            print(f"{LABEL[kind]:<13} {dtype:<9} {label:<28} {spread(xs):<26} {ratio:>7}")
+                rounds = by_round(xs, base["tps"][key])
+            print(
+                f"{LABEL[kind]:<13} {dtype:<9} {label:<28} {spread(xs):<26} {ratio:>7} {rounds:>8}"
+            )
     label = f"batch-1 decode, {args.decode_new} new"
     print(f"{'':<13} {'':<9} {'ms/token (x vLLM: its ms / this ms)':<28}")
     for kind in kinds:
         xs = res[kind]["decode_ms"]
-        ratio = ""
+        ratio = rounds = ""
         if base and base["decode_ms"] and xs:
             ratio = f"{statistics.median(base['decode_ms']) / statistics.median(xs):.2f}x"
+            rounds = by_round(base["decode_ms"], xs)
         val = f"{spread(xs)} ms" if xs else "-"
-        print(f"{LABEL[kind]:<13} {dtype:<9} {label:<28} {val:<26} {ratio:>7}")
+        print(f"{LABEL[kind]:<13} {dtype:<9} {label:<28} {val:<26} {ratio:>7} {rounds:>8}")
 
     print(f"\n## {dtype}: greedy agreement (last round; identical prompts / all, first difference)")
     keys = [*workloads, DECODE]
