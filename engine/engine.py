@@ -474,7 +474,7 @@ class LLMEngine:
             for i, (prompt, p, adapter, ref) in enumerate(
                 zip(prompts, params, adapters, refs, strict=True)
             ):
-                request = _request(prompt, p, None, None, adapter, reference=ref)
+                request = _request(prompt, p, None, None, adapter, reference=ref, final_only=True)
                 ids.append(request.request_id)
                 client.submit(request, sink_for(i))
         except BaseException:
@@ -538,9 +538,11 @@ def _request(
     priority: Priority | None,
     adapter: str | None,
     reference: Reference | None = None,
+    final_only: bool = False,
 ) -> GenerateRequest:
     """The offline API's arguments as the one typed request every client takes
-    (``reference``: a text the reply is likely to copy, speculative ``follows``)."""
+    (``reference``: a text the reply is likely to copy, speculative ``follows``;
+    ``final_only``: GenerateRequest's)."""
     if isinstance(prompt, str):
         text: str | tuple[int, ...] = prompt
     elif isinstance(prompt, Sequence):
@@ -554,4 +556,5 @@ def _request(
         priority=priority or Priority(),
         adapter=adapter,
         reference=reference,
+        final_only=final_only,
     )

@@ -239,6 +239,7 @@ class LLMWorker(Worker):
             adapter=adapter,
             cache_salt=salt,
         )
+        seq.final_only = request.final_only
         if request.reference is not None:
             seq.reference = self._reference_tokens(request.reference)
         if params.constraint is not None:  # compiled here, on the submitting thread
@@ -506,6 +507,8 @@ class LLMWorker(Worker):
 
     # -- outputs ---------------------------------------------------------------------------
     def _emit(self, seq: Sequence, error: str | None = None) -> None:
+        if seq.final_only and not seq.finished:
+            return
         out = self.outputs.output(seq, error)
         if seq.finished and self.speculator is not None:
             self.speculator.forget(seq)

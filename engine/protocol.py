@@ -85,6 +85,9 @@ class GenerateRequest:
     #: A text the generation is likely to copy (an upstream node's reply that this one
     #: rewrites): speculative decoding proposes from it (engine/speculative.py, "follows")
     reference: Reference | None = None
+    #: Send only the final output (offline ``generate``, which reads nothing earlier): no
+    #: RequestOutput is built for the steps in between (0.2 ms of a 32-row decode step)
+    final_only: bool = False
 
     def __post_init__(self):
         if (self.prompt is None) == (self.messages is None):

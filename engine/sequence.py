@@ -90,6 +90,7 @@ class Sequence:
     #: a text it is likely to copy, as token ids (``GenerateRequest.reference``, tokenized):
     #: method "follows" proposes from it; forks share it (it never changes)
     reference: Any = None
+    final_only: bool = False  # GenerateRequest.final_only: only its final output is sent
     detok_prefix: int = 0
     detok_read: int = 0
 
