@@ -433,7 +433,8 @@ class LLMRunner:
 
     @torch.inference_mode()
     def run(self, inputs: ModelInputs) -> torch.Tensor:
-        """Logits [num_sampling_rows, vocab] in the model's dtype: a plain greedy row takes
+        """Logits [num_sampling_rows, vocab] in the model's dtype (float32 from a fixed-size
+        replay, whose static buffer is copied out anyway): a plain greedy row takes
         its argmax from them as they are (a bf16 batch-32 step's float32 copy was 6 MB and
         ~0.3 ms), and what computes with them converts (Sampler.adjust, score_tokens)."""
         if self.compiled is not None and inputs.lora is None:  # adapter rows run eagerly

@@ -159,12 +159,7 @@ def library() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         try:
-            if os.environ.get(ENV_SWITCH) == "0":
-                raise RuntimeError(f"{ENV_SWITCH}=0")
-            cc = compiler()
-            if cc is None:
-                raise RuntimeError("no C compiler (cc, gcc or clang)")
-            lib = ctypes.CDLL(str(build(cc)))
+            lib = built(SOURCE, ENV_SWITCH)
             _declare(lib)
             group, dim = _i64(), _i64()
             lib.limits(ctypes.byref(group), ctypes.byref(dim))
