@@ -88,6 +88,15 @@ def test_decode_rows_match_dense(dim, heads, kv_heads, window):
 
 
 @needs_amx
+@pytest.mark.parametrize("dim,heads,kv_heads", [(64, 9, 3), (128, 16, 2), (64, 4, 4)])
+def test_many_decode_rows_one_item_each_match_dense(dim, heads, kv_heads):
+    # four rows per thread or more: the kernel gives each thread whole rows (every KV head)
+    rows = 4 * torch.get_num_threads() + 3
+    ctx_lens = [(1, 16, 17, 64, 65, 300)[i % 6] + i for i in range(rows)]
+    _check([1] * rows, ctx_lens, heads, kv_heads, dim=dim, strided=dim == 64)
+
+
+@needs_amx
 def test_a_long_prompt_alone():
     _check([2048], [2048], 9, 3)
 

@@ -48,6 +48,22 @@ def test_decode_matches_dense_float32(heads, kv_heads, window, strided):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("strided", [False, True])
+def test_many_decode_rows_one_item_each_match_dense(strided):
+    # four rows per thread or more: the kernel gives each thread whole rows (every KV head)
+    rows = 4 * torch.get_num_threads() + 3
+    ctx_lens = [(1, 13, 64, 65, 200)[i % 5] + i for i in range(rows)]
+    q, k, v, kc, vc, batch, keys, values = make_case(
+        [1] * rows, ctx_lens, 9, 3, page=16, dim=64, num_pages=512
+    )
+    if strided:
+        kc, vc = _strided(kc), _strided(vc)
+    store_kv(k, v, kc, vc, batch.slot_mapping)
+    got = paged_attention(q, k, v, kc, vc, batch, 0.125, None)
+    want = naive_attention(q, keys, values, batch.query_starts, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_bf16_within_rounding_of_float32():
     ctx_lens = [3, 40, 130]
     q, k, v, kc, vc, batch, keys, values = make_case([1] * 3, ctx_lens, 9, 3, page=16, dim=64)

@@ -548,16 +548,24 @@ void decode_attention_amx(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
     }
     const DecodeArgs a = {query, k_cache, v_cache, q_rs, page_s, tok_s, head_s, page_size,
                           tables, tab_s, group, scale, window, out, out_rs};
+    /* With rows enough to keep every thread busy, an item is a row with all its KV heads:
+     * a page's rows hold every head side by side, and the core whose prefetchers stream a
+     * page in is then the one that reads all of it (split by head, both cores pulled the
+     * same pages from memory). Few rows: an item per (row, KV head), to spread them. */
+    const int whole_rows = rows >= 4 * (int64_t)nthreads;
+    const int64_t per_item = whole_rows ? kv_heads : 1;
 #pragma omp parallel num_threads(nthreads) if (rows * kv_heads > 1)
     {
         configure_tiles();
 #pragma omp for schedule(dynamic)
-        for (int64_t item = 0; item < rows * kv_heads; item++) {
-            const int64_t r = item / kv_heads, kh = item % kv_heads;
-            if (dim == 64) {
-                ITEM(4)
-            } else {
-                ITEM(8)
+        for (int64_t item = 0; item < rows * kv_heads / per_item; item++) {
+            for (int64_t at = item * per_item; at < (item + 1) * per_item; at++) {
+                const int64_t r = at / kv_heads, kh = at % kv_heads;
+                if (dim == 64) {
+                    ITEM(4)
+                } else {
+                    ITEM(8)
+                }
             }
         }
         _tile_release();

@@ -94,9 +94,13 @@ static inline bf16 f32_to_bf16(float f) { /* round to nearest even, NaN kept NaN
                               float scale, int64_t window, T *out, int64_t out_rs,           \
                               int nthreads) {                                                \
         const int64_t group = heads / kv_heads;                                              \
+        /* an item: a row with all its KV heads where rows keep every thread busy (a page's \
+         * rows hold every head side by side: one core then streams it in), else one head */ \
+        const int64_t per_item = rows >= 4 * (int64_t)nthreads ? kv_heads : 1;              \
         _Pragma("omp parallel for schedule(dynamic) num_threads(nthreads)")                 \
-        for (int64_t item = 0; item < rows * kv_heads; item++) {                             \
-            const int64_t r = item / kv_heads, kh = item % kv_heads;                         \
+        for (int64_t item = 0; item < rows * kv_heads / per_item; item++)                   \
+        for (int64_t at = item * per_item; at < (item + 1) * per_item; at++) {               \
+            const int64_t r = at / kv_heads, kh = at % kv_heads;                             \
             const int64_t seq = row_seq[r], pos = row_pos[r];                                \
             const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;  \
             const int64_t *table = tables + seq * tab_s;                                     \
