@@ -548,12 +548,8 @@ void decode_attention_amx(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
     }
     const DecodeArgs a = {query, k_cache, v_cache, q_rs, page_s, tok_s, head_s, page_size,
                           tables, tab_s, group, scale, window, out, out_rs};
-    /* With rows enough to keep every thread busy, an item is a row with all its KV heads:
-     * a page's rows hold every head side by side, and the core whose prefetchers stream a
-     * page in is then the one that reads all of it (split by head, both cores pulled the
-     * same pages from memory). Few rows: an item per (row, KV head), to spread them. */
-    const int whole_rows = rows >= 4 * (int64_t)nthreads;
-    const int64_t per_item = whole_rows ? kv_heads : 1;
+    /* an item: a row with all its KV heads, or one head of few rows (cpu_paged.c's rule) */
+    const int64_t per_item = rows >= 4 * (int64_t)nthreads ? kv_heads : 1;
 #pragma omp parallel num_threads(nthreads) if (rows * kv_heads > 1)
     {
         configure_tiles();

@@ -95,7 +95,8 @@ static inline bf16 f32_to_bf16(float f) { /* round to nearest even, NaN kept NaN
                               int nthreads) {                                                \
         const int64_t group = heads / kv_heads;                                              \
         /* an item: a row with all its KV heads where rows keep every thread busy (a page's \
-         * rows hold every head side by side: one core then streams it in), else one head */ \
+         * rows hold every head side by side: one core then streams it in), else one head; \
+         * cpu_amx.c's decode kernel splits its rows by this rule too */                    \
         const int64_t per_item = rows >= 4 * (int64_t)nthreads ? kv_heads : 1;              \
         _Pragma("omp parallel for schedule(dynamic) num_threads(nthreads)")                 \
         for (int64_t item = 0; item < rows * kv_heads / per_item; item++)                   \
