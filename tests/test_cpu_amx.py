@@ -80,9 +80,11 @@ def test_random_chunks_and_a_strided_pool(seed):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (10, 2), (16, 1)])
 @pytest.mark.parametrize("window", [None, 20, 70])
 def test_decode_rows_match_dense(dim, heads, kv_heads, window):
-    # contexts inside a page, on its edge, across the 64-key blocks; windows starting mid-page;
-    # 5 heads per KV head take the kernel's unspecialised path, head size 32 the AVX-512 one
-    ctx_lens = [1, 16, 17, 64, 65, 300]
+    # contexts inside a page, on its edge, ending in each page of a pass of three (head size
+    # 64) or two, on and across the edges of cpu_amx.c's blocks of keys (BLOCK); windows
+    # starting mid-page; 5 heads per KV head take the kernel's unspecialised path, head size
+    # 32 the AVX-512 one
+    ctx_lens = [1, 16, 17, 33, 48, 49, 192, 193, 420]
     assert cpu_amx.decodes(torch.bfloat16)
     _check([1] * len(ctx_lens), ctx_lens, heads, kv_heads, window, dim=dim, strided=dim == 64)
 
@@ -92,7 +94,7 @@ def test_decode_rows_match_dense(dim, heads, kv_heads, window):
 def test_many_decode_rows_one_item_each_match_dense(dim, heads, kv_heads):
     # four rows per thread or more: the kernel gives each thread whole rows (every KV head)
     rows = 4 * torch.get_num_threads() + 3
-    ctx_lens = [(1, 16, 17, 64, 65, 300)[i % 6] + i for i in range(rows)]
+    ctx_lens = [(1, 16, 17, 64, 65, 300)[i % 6] + 40 * i for i in range(rows)]
     _check([1] * rows, ctx_lens, heads, kv_heads, dim=dim, strided=dim == 64)
 
 
