@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_kernels import make_case
 
-from trae_groups.kernels import cpu_native, naive_attention, paged_attention, store_kv
+from trae_groups.kernels import cpu_amx, cpu_native, naive_attention, paged_attention, store_kv
 
 pytestmark = pytest.mark.skipif(cpu_native.compiler() is None, reason="no C compiler")
 
@@ -76,6 +76,9 @@ def test_decode_bf16_within_rounding_of_float32():
     want = naive_attention(q.float(), [t.float() for t in keys], [t.float() for t in values],
                            batch.query_starts, 0.125)  # fmt: skip
     torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+    with cpu_amx.turned_off():  # where AMX took the rows above: the AVX-512 kernel too
+        avx512 = paged_attention(q, k, v, kc, vc, batch, 0.125, None)
+    torch.testing.assert_close(avx512.float(), want, atol=1e-2, rtol=1e-2)
     with cpu_native.turned_off():  # the torch reference agrees as closely
         ref = paged_attention(q, k, v, kc, vc, batch, 0.125, None)
     torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)

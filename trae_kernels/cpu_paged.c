@@ -241,7 +241,10 @@ typedef float f32;
                 const T *vp = v_cache + table[j / page_size] * page_s +                      \
                               (j % page_size) * tok_s + kh * head_s;                         \
                 __m512 v[MAX_DIM / 16];                                                      \
-                for (int c = 0; c < nd; c++) v[c] = load16_##T(vp + 16 * c);                 \
+                if (nd % 2 == 0) /* load32_T's order, restored at the end */                 \
+                    for (int c = 0; c < nd; c += 2) load32_##T(vp + 16 * c, &v[c], &v[c + 1]); \
+                else                                                                         \
+                    for (int c = 0; c < nd; c++) v[c] = load16_##T(vp + 16 * c);             \
                 for (int64_t g = 0; g < group; g++) {                                        \
                     const __m512 p = _mm512_set1_ps(score[g][jj]);                           \
                     for (int c = 0; c < nd; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]); \
@@ -251,6 +254,8 @@ typedef float f32;
         for (int64_t g = 0; g < group; g++) {                                                \
             T *op = out + r * out_rs + (kh * group + g) * dim;                               \
             const __m512 inv = _mm512_set1_ps(total[g] > 0.0f ? 1.0f / total[g] : 0.0f);     \
+            if (nd % 2 == 0)                                                                 \
+                for (int c = 0; c < nd; c += 2) order32_##T(&acc[g][c], &acc[g][c + 1]);     \
             for (int c = 0; c < nd; c++) store16_##T(op + 16 * c, _mm512_mul_ps(acc[g][c], inv)); \
         }                                                                                    \
     }

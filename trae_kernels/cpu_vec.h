@@ -13,6 +13,25 @@ static inline __m512 load16_bf16(const bf16 *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 static inline void store16_f32(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
+/* 32 values of a row as two float32 vectors, for sums kept per value (a weighted sum of V):
+ * float32 in order; bf16 as the even values, then the odd ones (a shift, a mask: half the
+ * instructions of widening 16 in order). order32_T puts such sums back in row order. */
+static inline void load32_f32(const float *p, __m512 *a, __m512 *b) {
+    *a = load16_f32(p);
+    *b = load16_f32(p + 16);
+}
+static inline void load32_bf16(const bf16 *p, __m512 *a, __m512 *b) {
+    const __m512i pairs = _mm512_loadu_si512(p);
+    *a = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    *b = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline void order32_f32(__m512 *a, __m512 *b) { (void)a, (void)b; }
+static inline void order32_bf16(__m512 *a, __m512 *b) {
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512 first = _mm512_permutex2var_ps(*a, lo, *b);
+    *b = _mm512_permutex2var_ps(*a, _mm512_add_epi32(lo, _mm512_set1_epi32(8)), *b);
+    *a = first;
+}
 static inline __m512 round_bf16_16(__m512 x) { /* f32_to_bf16's rounding, 16 at once */
     __m512i u = _mm512_castps_si512(x);
     __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
