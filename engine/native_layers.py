@@ -172,7 +172,9 @@ def _build(flat, kv, modules) -> tuple | None:
     handles = onednn_calls.WeightHandles() if library == "onednn" else None
 
     def weight_of(m) -> int:
-        return m.packed_weight.data_ptr() if handles is None else handles.of(m.packed_weight)
+        if handles is None:
+            return m.packed_weight.data_ptr()
+        return handles.of(m.packed_weight, m.batch_hint)
 
     eps, pages, held = set(), set(), [handles]
     for i, (layer, linears) in enumerate(zip(flat._layers, modules, strict=True)):

@@ -10,9 +10,30 @@
  *
  * Built and loaded by trae_kernels/onednn_calls.py like cpu_paged.c (no torch headers: the C
  * functions it calls are bound at run time, by address, from the libtorch torch loaded).
+ *
+ * Decode rows on AMX (bf16, at most 32 rows) skip the op: a call through torch costs ~21 us
+ * whatever the shape (dispatch, ideep's tensors, the primitive cache's key, the output's
+ * allocation and copy), 121 calls a SmolLM2 step, while the other thread waits. Where
+ * onednn_calls.py found oneDNN's packed weight laid out as [n / 32][k / 2][32][2] (pairs of
+ * k for 32 columns, what its AMX kernels read), these rows are multiplied here on tiles from
+ * that buffer, k in the same order, for the same bits.
  */
 #include <stdint.h>
 #include <string.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+/* A packed weight as the layer loop holds it: torch's handle, and its buffer where its layout
+ * is the one the tile path reads (else NULL) */
+typedef struct {
+    void *handle;
+    const uint16_t *pairs;
+    int64_t n, k;
+} Weight;
 
 typedef int32_t (*blob_fn)(void *data, int64_t ndim, const int64_t *sizes,
                            const int64_t *strides, int64_t offset, int32_t dtype,
@@ -42,10 +63,122 @@ void onednn_bind(void *blob_f, void *drop_f, void *data_f, void *pointwise_f, in
     codes[1] = bf16_code;
 }
 
-/* out [rows, n] = x [rows, k] (row stride x_rs) times the packed weight behind the handle
- * ``weight``, plus bias [n] (a plain vector, or NULL). 0 on success, else the first error. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define ROWS 32    /* rows the tile path takes: two tiles of 16 */
+#define MAX_K 4096 /* the widest input it takes (its padded copy of the rows is on the stack) */
+static int amx; /* 1 once the OS granted the tile state */
+
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static inline uint16_t round_bf16(float f) { /* round to nearest even, NaN kept NaN */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Rows [0, rows) of 16 columns from ``at`` of sums ``s`` (16 x 16 float32) plus bias, rounded */
+static inline void put(const float *s, int64_t rows, const uint16_t *bias, int64_t at,
+                       int64_t n, uint16_t *out) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int i = 0; i < 16; i++) {
+            float v = s[r * 16 + i];
+            if (bias) {
+                const uint32_t u = (uint32_t)bias[at + i] << 16;
+                float f;
+                memcpy(&f, &u, sizeof f);
+                v += f;
+            }
+            out[r * n + at + i] = round_bf16(v);
+        }
+}
+
+/* out [rows, n] (bf16) = x [rows, k] times the weight's pairs, plus bias (bf16, or NULL), a
+ * block of 32 columns (one sequential stretch of the packed weight) at a time: tiles 0-1 and
+ * 5-6 the sums of rows 0-15 and 16-31 by columns 0-15 and 16-31, 2-3 their x, 4 and 7 the
+ * columns' pairs (a 128-byte row holds both halves' pairs) */
+static void tile_rows(const uint16_t *x, int64_t rows, int64_t k, int64_t x_rs,
+                      const Weight *w, const uint16_t *bias, uint16_t *out) {
+    const int64_t used = rows > 16 ? ROWS : 16;
+    uint16_t a[used * k] __attribute__((aligned(64))); /* the rows, padded with zeros */
+    memset(a + rows * k, 0, (size_t)((used - rows) * k) * sizeof(uint16_t));
+    for (int64_t r = 0; r < rows; r++) memcpy(a + r * k, x + r * x_rs, (size_t)k * 2);
+    const int64_t blocks = w->n / 32, two = rows > 16;
+#pragma omp parallel num_threads(omp_get_max_threads())
+    {
+        TileConfig c;
+        memset(&c, 0, sizeof c);
+        c.palette = 1;
+        for (int t = 0; t < 8; t++) {
+            c.colsb[t] = 64;
+            c.rows[t] = 16;
+        }
+        _tile_loadconfig(&c);
+        float sums[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const uint16_t *cols = w->pairs + b * (k / 2) * 64;
+            _tile_zero(0);
+            _tile_zero(1);
+            if (two) {
+                _tile_zero(5);
+                _tile_zero(6);
+            }
+            for (int64_t j = 0; j < k; j += 32) {
+                _tile_loadd(4, cols + (j / 2) * 64, 128);
+                _tile_loadd(7, cols + (j / 2) * 64 + 32, 128);
+                _tile_loadd(2, a + j, k * 2);
+                _tile_dpbf16ps(0, 2, 4);
+                _tile_dpbf16ps(1, 2, 7);
+                if (two) {
+                    _tile_loadd(3, a + 16 * k + j, k * 2);
+                    _tile_dpbf16ps(5, 3, 4);
+                    _tile_dpbf16ps(6, 3, 7);
+                }
+            }
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+            put(sums[0], rows < 16 ? rows : 16, bias, b * 32, w->n, out);
+            put(sums[1], rows < 16 ? rows : 16, bias, b * 32 + 16, w->n, out);
+            if (two) {
+                _tile_stored(5, sums[2], 64);
+                _tile_stored(6, sums[3], 64);
+                put(sums[2], rows - 16, bias, b * 32, w->n, out + 16 * w->n);
+                put(sums[3], rows - 16, bias, b * 32 + 16, w->n, out + 16 * w->n);
+            }
+        }
+        _tile_release();
+    }
+}
+#endif
+
+/* 1 where decode rows may take the tile path (the CPU has AMX and the OS grants its state) */
+int32_t onednn_tiles(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (!amx) amx = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+    return amx;
+#else
+    return 0;
+#endif
+}
+
+/* out [rows, n] = x [rows, k] (row stride x_rs) times the packed weight ``w`` (a ``Weight``),
+ * plus bias [n] (a plain vector, or NULL). 0 on success, else the first error. */
 int32_t onednn_linear(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
-                      int32_t dtype, void *weight, void *bias) {
+                      int32_t dtype, void *w, void *bias) {
+    const Weight *weight = (const Weight *)w;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx && weight->pairs && dtype == codes[1] && rows <= ROWS && k <= MAX_K) {
+        tile_rows(x, rows, k, x_rs, weight, bias, out);
+        return 0;
+    }
+#endif
     int64_t elem = 0;
     for (int i = 0; i < 2; i++)
         if (codes[i] == dtype) elem = sizes_of[i];
@@ -56,7 +189,7 @@ int32_t onednn_linear(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out,
     const char *algorithm = "";
     int32_t err = blob(x, 2, sizes, strides, 0, dtype, cpu, 0, &hx);
     if (!err && bias) err = blob(bias, 1, b_sizes, b_strides, 0, dtype, cpu, 0, &hb);
-    if (!err) err = pointwise(hx, weight, bias ? &hb : 0, "none", 0, 0, &algorithm, &ret);
+    if (!err) err = pointwise(hx, weight->handle, bias ? &hb : 0, "none", 0, 0, &algorithm, &ret);
     if (!err) err = data_of(ret, &data);
     if (!err) memcpy(out, data, (size_t)(rows * n * elem));
     if (ret) drop(ret);

@@ -9,6 +9,7 @@ where it cannot be had (no C compiler, torch without oneDNN) the layer loop stay
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 
 import torch
@@ -35,6 +36,8 @@ def _load() -> ctypes.CDLL:
     )
     lib.onednn_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _ptr, _ptr]
     lib.onednn_linear.restype = _i32
+    lib.onednn_tiles.argtypes = []
+    lib.onednn_tiles.restype = _i32
     return lib
 
 
@@ -46,22 +49,59 @@ def library() -> ctypes.CDLL | None:
     return _loaded.get()
 
 
+class Weight(ctypes.Structure):
+    """A packed weight for the C caller (``Weight`` in onednn_calls.c)."""
+
+    _fields_ = [("handle", _ptr), ("pairs", _ptr), ("n", _i64), ("k", _i64)]
+
+
+@functools.cache
+def packs_in_pairs(n: int, k: int, batch_hint: int | None) -> bool:
+    """Whether oneDNN packs a bf16 [n, k] weight (with this batch hint) as [n / 32][k / 2][32]
+    [2], the layout onednn_calls.c's tile path reads: checked on a packed probe, since the
+    layout is oneDNN's choice (by CPU, shape and hint), not a promise."""
+    if n % 32 or k % 32:
+        return False
+    probe = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).bfloat16()
+    packed = torch.ops.mkldnn._reorder_linear_weight(probe, batch_hint)
+    if torch.ops.mkldnn._nbytes(packed) != n * k * 2:
+        return False
+    raw = (ctypes.c_uint16 * (n * k)).from_address(torch.ops.mkldnn.data_ptr(packed))
+    got = torch.frombuffer(raw, dtype=torch.int16).view(torch.bfloat16)
+    want = probe.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).reshape(-1)
+    return torch.equal(got, want)
+
+
 class WeightHandles:
-    """Tensor handles (heap ``at::Tensor``s, each holding a reference) of packed weights for
-    the C caller; all released when this is dropped."""
+    """Packed weights for the C caller: torch's tensor handles (heap ``at::Tensor``s, each
+    holding a reference), all released when this is dropped, and where the tile path takes
+    a weight (bf16, AMX, ``packs_in_pairs``) the address of its buffer."""
 
     def __init__(self) -> None:
         self._capsules: list = []  # torch hands a handle out and takes it back as a capsule
+        self._weights: list[Weight] = []
         self._steal = torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr  # kept for __del__
 
-    def of(self, weight: torch.Tensor) -> int:
-        """A handle of ``weight``, as an address for the C caller."""
+    def of(self, weight: torch.Tensor, batch_hint: int | None) -> int:
+        """The address of a ``Weight`` for ``weight``, packed with ``batch_hint`` (the tile
+        path checks the layout oneDNN gives that hint)."""
         capsule = torch._C._aoti.unsafe_alloc_void_ptr_from_tensor(weight)
         self._capsules.append(capsule)
-        return _capsule_pointer(capsule, None)
+        n, k = weight.shape
+        lib = library()
+        tiles = weight.dtype == torch.bfloat16 and lib is not None and lib.onednn_tiles()
+        pairs = (
+            torch.ops.mkldnn.data_ptr(weight)
+            if tiles and packs_in_pairs(n, k, batch_hint)
+            else None
+        )
+        held = Weight(_capsule_pointer(capsule, None), pairs, n, k)
+        self._weights.append(held)
+        return ctypes.addressof(held)
 
     def release(self) -> None:
         capsules, self._capsules = self._capsules, []
+        self._weights = []
         for capsule in capsules:  # the tensor takes the handle over and frees it when dropped
             self._steal(capsule)
 
