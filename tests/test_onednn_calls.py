@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trae_groups.engine.fast_linear import DEFAULT_BATCH_HINT as HINT
 from trae_groups.kernels import onednn_calls
 
 pytestmark = pytest.mark.skipif(onednn_calls.library() is None, reason="no oneDNN caller here")
-HINT = 32  # PackedLinear's default batch hint
 # SmolLM2's four linears of a layer, and a test model's (tests/test_native_layers.py's WIDE)
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (512, 128)]
 

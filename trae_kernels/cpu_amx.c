@@ -38,9 +38,7 @@
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
+#include "cpu_tiles.h"
 #include "cpu_vec.h"
 
 #define MAX_DIM 128  /* head sizes this kernel takes: 64 and 128 */
@@ -57,33 +55,15 @@ typedef void (*decode_fn)(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
                           int64_t window, bf16 *out, int64_t out_rs, int nthreads);
 static decode_fn fallback;
 
-/* Ask the kernel for the AMX tile state (Linux 5.16+) and take the decode kernel for shapes
- * these tiles do not take; 1 where this process may use AMX. */
+/* Ask the kernel for the AMX tile state and take the decode kernel for shapes these tiles do
+ * not take; 1 where this process may use AMX. */
 int amx_init(void *decode_fallback) {
-    const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
     fallback = (decode_fn)decode_fallback;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return request_tiles();
 }
 
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-/* Eight tiles of 16 rows x 64 bytes: 0 S^T, then P^T; 1 K's rows, then V^T's; 2-3 Q^T's
- * halves (loaded once per item); 4-7 O^T. */
-static void configure_tiles(void) {
-    TileConfig c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.colsb[t] = 64;
-        c.rows[t] = TILE;
-    }
-    _tile_loadconfig(&c);
-}
+/* The tiles (cpu_tiles.h's configuration): in the prompt kernel 0 S^T, then P^T; 1 K's rows,
+ * then V^T's; 2-3 Q^T's halves (loaded once per item); 4-7 O^T. */
 
 typedef struct {
     const bf16 *query, *k_cache, *v_cache;

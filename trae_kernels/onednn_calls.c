@@ -21,10 +21,10 @@
 #include <stdint.h>
 #include <string.h>
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+
+#include "cpu_tiles.h"
+#include "cpu_vec.h"
 #endif
 
 /* A packed weight as the layer loop holds it: torch's handle, and its buffer where its layout
@@ -32,7 +32,6 @@
 typedef struct {
     void *handle;
     const uint16_t *pairs;
-    int64_t n, k;
 } Weight;
 
 typedef int32_t (*blob_fn)(void *data, int64_t ndim, const int64_t *sizes,
@@ -68,62 +67,36 @@ void onednn_bind(void *blob_f, void *drop_f, void *data_f, void *pointwise_f, in
 #define MAX_K 4096 /* the widest input it takes (its padded copy of the rows is on the stack) */
 static int amx; /* 1 once the OS granted the tile state */
 
-typedef struct {
-    uint8_t palette, start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileConfig;
-
-static inline uint16_t round_bf16(float f) { /* round to nearest even, NaN kept NaN */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* Rows [0, rows) of 16 columns from ``at`` of sums ``s`` (16 x 16 float32) plus bias, rounded */
-static inline void put(const float *s, int64_t rows, const uint16_t *bias, int64_t at,
-                       int64_t n, uint16_t *out) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int i = 0; i < 16; i++) {
-            float v = s[r * 16 + i];
-            if (bias) {
-                const uint32_t u = (uint32_t)bias[at + i] << 16;
-                float f;
-                memcpy(&f, &u, sizeof f);
-                v += f;
-            }
-            out[r * n + at + i] = round_bf16(v);
-        }
+/* Rows [0, rows) of 16 columns from ``at`` of sums ``s`` (16 x 16 float32), plus bias, rounded
+ * once (as oneDNN adds its bias before rounding) */
+static inline void put(const float *s, int64_t rows, const bf16 *bias, int64_t at, int64_t n,
+                       bf16 *out) {
+    const __m512 b = bias ? load16_bf16(bias + at) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        __m512 v = _mm512_load_ps(s + r * 16);
+        if (bias) v = _mm512_add_ps(v, b);
+        store16_bf16(out + r * n + at, v);
+    }
 }
 
 /* out [rows, n] (bf16) = x [rows, k] times the weight's pairs, plus bias (bf16, or NULL), a
  * block of 32 columns (one sequential stretch of the packed weight) at a time: tiles 0-1 and
  * 5-6 the sums of rows 0-15 and 16-31 by columns 0-15 and 16-31, 2-3 their x, 4 and 7 the
  * columns' pairs (a 128-byte row holds both halves' pairs) */
-static void tile_rows(const uint16_t *x, int64_t rows, int64_t k, int64_t x_rs,
-                      const Weight *w, const uint16_t *bias, uint16_t *out) {
+static void tile_rows(const bf16 *x, int64_t rows, int64_t k, int64_t x_rs, int64_t n,
+                      const Weight *w, const bf16 *bias, bf16 *out) {
     const int64_t used = rows > 16 ? ROWS : 16;
-    uint16_t a[used * k] __attribute__((aligned(64))); /* the rows, padded with zeros */
-    memset(a + rows * k, 0, (size_t)((used - rows) * k) * sizeof(uint16_t));
+    bf16 a[used * k] __attribute__((aligned(64))); /* the rows, padded with zeros */
+    memset(a + rows * k, 0, (size_t)((used - rows) * k) * sizeof(bf16));
     for (int64_t r = 0; r < rows; r++) memcpy(a + r * k, x + r * x_rs, (size_t)k * 2);
-    const int64_t blocks = w->n / 32, two = rows > 16;
+    const int64_t blocks = n / 32, two = rows > 16;
 #pragma omp parallel num_threads(omp_get_max_threads())
     {
-        TileConfig c;
-        memset(&c, 0, sizeof c);
-        c.palette = 1;
-        for (int t = 0; t < 8; t++) {
-            c.colsb[t] = 64;
-            c.rows[t] = 16;
-        }
-        _tile_loadconfig(&c);
+        configure_tiles();
         float sums[4][256] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
-            const uint16_t *cols = w->pairs + b * (k / 2) * 64;
+            const bf16 *cols = w->pairs + b * (k / 2) * 64;
             _tile_zero(0);
             _tile_zero(1);
             if (two) {
@@ -144,13 +117,13 @@ static void tile_rows(const uint16_t *x, int64_t rows, int64_t k, int64_t x_rs,
             }
             _tile_stored(0, sums[0], 64);
             _tile_stored(1, sums[1], 64);
-            put(sums[0], rows < 16 ? rows : 16, bias, b * 32, w->n, out);
-            put(sums[1], rows < 16 ? rows : 16, bias, b * 32 + 16, w->n, out);
+            put(sums[0], rows < 16 ? rows : 16, bias, b * 32, n, out);
+            put(sums[1], rows < 16 ? rows : 16, bias, b * 32 + 16, n, out);
             if (two) {
                 _tile_stored(5, sums[2], 64);
                 _tile_stored(6, sums[3], 64);
-                put(sums[2], rows - 16, bias, b * 32, w->n, out + 16 * w->n);
-                put(sums[3], rows - 16, bias, b * 32 + 16, w->n, out + 16 * w->n);
+                put(sums[2], rows - 16, bias, b * 32, n, out + 16 * n);
+                put(sums[3], rows - 16, bias, b * 32 + 16, n, out + 16 * n);
             }
         }
         _tile_release();
@@ -161,7 +134,7 @@ static void tile_rows(const uint16_t *x, int64_t rows, int64_t k, int64_t x_rs,
 /* 1 where decode rows may take the tile path (the CPU has AMX and the OS grants its state) */
 int32_t onednn_tiles(void) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (!amx) amx = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0;
+    if (!amx) amx = request_tiles();
     return amx;
 #else
     return 0;
@@ -175,7 +148,7 @@ int32_t onednn_linear(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out,
     const Weight *weight = (const Weight *)w;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (amx && weight->pairs && dtype == codes[1] && rows <= ROWS && k <= MAX_K) {
-        tile_rows(x, rows, k, x_rs, weight, bias, out);
+        tile_rows(x, rows, k, x_rs, n, weight, bias, out);
         return 0;
     }
 #endif

@@ -52,7 +52,7 @@ def library() -> ctypes.CDLL | None:
 class Weight(ctypes.Structure):
     """A packed weight for the C caller (``Weight`` in onednn_calls.c)."""
 
-    _fields_ = [("handle", _ptr), ("pairs", _ptr), ("n", _i64), ("k", _i64)]
+    _fields_ = [("handle", _ptr), ("pairs", _ptr)]
 
 
 @functools.cache
@@ -95,7 +95,7 @@ class WeightHandles:
             if tiles and packs_in_pairs(n, k, batch_hint)
             else None
         )
-        held = Weight(_capsule_pointer(capsule, None), pairs, n, k)
+        held = Weight(_capsule_pointer(capsule, None), pairs)
         self._weights.append(held)
         return ctypes.addressof(held)
 
