@@ -22,7 +22,7 @@ from torch import nn
 
 from trae_groups.engine.config import LINEAR_LIBRARIES
 from trae_groups.engine.hardware import cpu_vendor, detect
-from trae_groups.kernels import zen_calls
+from trae_groups.kernels import onednn_calls, zen_calls
 
 __all__ = [
     "DEFAULT_BATCH_HINT",
@@ -188,6 +188,7 @@ class PackedLinear(nn.Module):
             weight.detach() if weight.dtype in (torch.bfloat16, torch.float16) and upcast_large
             else None
         )  # fmt: skip
+        self._own_rows: onednn_calls.OwnRows | bool | None = False  # False: not looked up yet
         # The bias stays a dense tensor (the op takes it as is); a buffer so .to()/state_dict see it.
         self.register_buffer(
             "bias", None if bias is None else bias.detach().to(weight.dtype).contiguous()
@@ -219,9 +220,16 @@ class PackedLinear(nn.Module):
             return zen_calls.linear_op(x, self.packed_weight, self.bias, shim=not compiling)
         if compiling:  # see lower_packed_linear
             return torch.ops.trae.packed_linear(x, self.packed_weight, self.bias, self.out_features)
-        if self.plain_weight is not None and x.numel() >= UPCAST_ROWS * self.in_features:
+        rows = x.numel() // self.in_features
+        if self.plain_weight is not None and rows >= UPCAST_ROWS:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.plain_weight.float(), bias).to(self.dtype)
+        own = self._own_rows
+        if own is False:
+            own = self._own_rows = onednn_calls.own_rows(self.packed_weight, self.batch_hint)
+        if own is not None and 0 < rows <= own.max_rows and x.is_contiguous():
+            out = own(x.view(rows, self.in_features), self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

@@ -17,21 +17,36 @@
  * onednn_calls.py found oneDNN's packed weight laid out as [n / 32][k / 2][32][2] (pairs of
  * k for 32 columns, what its AMX kernels read), these rows are multiplied here on tiles from
  * that buffer, k in the same order, for the same bits.
+ *
+ * Float32 rows (at most 64, any CPU with AVX-512) skip it too where oneDNN laid the weight out
+ * as [n / 64][k][64] (panels of 64 columns): oneDNN's float32 kernels at these rows reached
+ * ~170 GFLOP/s on a step's linears streamed from memory, where a panel multiplied by 6 rows at
+ * a time, the next panel fetched meanwhile, reaches ~250. oneDNN sums k in blocks (512 or 1024
+ * by shape and rows, each summed on its own, then added in order): the block size is learnt
+ * per weight and row count on the first call, from the op's own result, and kept only if it
+ * gives the op's bits; else that row count stays with the op.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AVX512F__)
+#include <immintrin.h>
 #include <omp.h>
-
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "cpu_tiles.h"
 #include "cpu_vec.h"
 #endif
 
-/* A packed weight as the layer loop holds it: torch's handle, and its buffer where its layout
- * is the one the tile path reads (else NULL) */
+#define F32_ROWS 64 /* float32 rows the panel path takes */
+
+/* A packed weight as the layer loop holds it: torch's handle; its buffer where its layout is
+ * the one this file reads for its dtype (bf16 pairs, float32 panels; else NULL); and for
+ * float32, oneDNN's k block at each row count (0: not yet learnt, -1: none matched) */
 typedef struct {
     void *handle;
-    const uint16_t *pairs;
+    const void *blocked;
+    int16_t k_block[F32_ROWS + 1];
 } Weight;
 
 typedef int32_t (*blob_fn)(void *data, int64_t ndim, const int64_t *sizes,
@@ -96,7 +111,7 @@ static void tile_rows(const bf16 *x, int64_t rows, int64_t k, int64_t x_rs, int6
         float sums[4][256] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
-            const bf16 *cols = w->pairs + b * (k / 2) * 64;
+            const bf16 *cols = (const bf16 *)w->blocked + b * (k / 2) * 64;
             _tile_zero(0);
             _tile_zero(1);
             if (two) {
@@ -141,17 +156,93 @@ int32_t onednn_tiles(void) {
 #endif
 }
 
-/* out [rows, n] = x [rows, k] (row stride x_rs) times the packed weight ``w`` (a ``Weight``),
- * plus bias [n] (a plain vector, or NULL). 0 on success, else the first error. */
-int32_t onednn_linear(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
-                      int32_t dtype, void *w, void *bias) {
-    const Weight *weight = (const Weight *)w;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx && weight->pairs && dtype == codes[1] && rows <= ROWS && k <= MAX_K) {
-        tile_rows(x, rows, k, x_rs, n, weight, bias, out);
-        return 0;
+#if defined(__AVX512F__)
+#define PANEL 64 /* columns of a float32 panel: four vectors */
+#define ROW_BLOCK 6 /* rows a pass over a panel takes: 24 sums in registers */
+#define AHEAD 48 /* k a first pass fetches ahead of itself (12 KB) */
+
+/* out rows [0, R) x one panel's 64 columns = x rows times the panel, k in blocks of ``kb``
+ * summed on their own and then added in order (oneDNN's order), plus bias. The first pass over
+ * a panel (``first``) reads it from memory and fetches ahead of itself; later passes read it
+ * from L2 and fetch ``fetch_n`` lines of the next panel from ``fetch`` meanwhile, ``per`` a k. */
+#define PANEL_ROWS(R)                                                                              \
+    static void panel_##R(const float *x, int64_t x_rs, const float *panel, int64_t k,            \
+                          int64_t kb, const float *bias, float *out, int64_t n, int first,         \
+                          const char *fetch, int64_t fetch_n, int64_t per) {                       \
+        __m512 sum[R][4], total[R][4];                                                             \
+        for (int64_t j0 = 0; j0 < k; j0 += kb) {                                                   \
+            for (int r = 0; r < R; r++)                                                            \
+                for (int v = 0; v < 4; v++) sum[r][v] = _mm512_setzero_ps();                      \
+            const int64_t j1 = j0 + kb < k ? j0 + kb : k;                                          \
+            for (int64_t j = j0; j < j1; j++) {                                                    \
+                const float *b = panel + j * PANEL;                                                \
+                if (first && j + AHEAD < k)                                                        \
+                    for (int q = 0; q < 4; q++)                                                    \
+                        _mm_prefetch((const char *)(b + AHEAD * PANEL) + q * 64, _MM_HINT_T0);     \
+                for (int64_t q = j * per; q < fetch_n && q < (j + 1) * per; q++)                   \
+                    _mm_prefetch(fetch + q * 64, _MM_HINT_T1);                                     \
+                const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);                \
+                const __m512 b2 = _mm512_loadu_ps(b + 32), b3 = _mm512_loadu_ps(b + 48);           \
+                for (int r = 0; r < R; r++) {                                                      \
+                    const __m512 a = _mm512_set1_ps(x[r * x_rs + j]);                              \
+                    sum[r][0] = _mm512_fmadd_ps(a, b0, sum[r][0]);                                 \
+                    sum[r][1] = _mm512_fmadd_ps(a, b1, sum[r][1]);                                 \
+                    sum[r][2] = _mm512_fmadd_ps(a, b2, sum[r][2]);                                 \
+                    sum[r][3] = _mm512_fmadd_ps(a, b3, sum[r][3]);                                 \
+                }                                                                                  \
+            }                                                                                      \
+            for (int r = 0; r < R; r++)                                                            \
+                for (int v = 0; v < 4; v++)                                                        \
+                    total[r][v] = j0 ? _mm512_add_ps(total[r][v], sum[r][v]) : sum[r][v];          \
+        }                                                                                          \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int v = 0; v < 4; v++) {                                                          \
+                __m512 t = total[r][v];                                                            \
+                if (bias) t = _mm512_add_ps(t, _mm512_loadu_ps(bias + v * 16));                   \
+                _mm512_storeu_ps(out + r * n + v * 16, t);                                         \
+            }                                                                                      \
     }
+PANEL_ROWS(1)
+PANEL_ROWS(2)
+PANEL_ROWS(3)
+PANEL_ROWS(4)
+PANEL_ROWS(5)
+PANEL_ROWS(6)
+typedef void (*panel_fn)(const float *, int64_t, const float *, int64_t, int64_t, const float *,
+                         float *, int64_t, int, const char *, int64_t, int64_t);
+static const panel_fn panel_rows[ROW_BLOCK + 1] = {0,       panel_1, panel_2, panel_3,
+                                                   panel_4, panel_5, panel_6};
+
+/* out [rows, n] (float32) = x [rows, k] times the panels, k in blocks of kb, plus bias: items
+ * of (panel, block of at most 6 rows), panel by panel, split between the threads in order */
+static void panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs, const float *w,
+                       int64_t n, int64_t kb, const float *bias, float *out) {
+    const int64_t panels = n / PANEL, row_blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int64_t lines = k * PANEL * 4 / 64; /* cache lines of a panel */
+    /* rows split evenly (32: 6, 6, 5, 5, 5, 5): a pass of few rows loads as much as any */
+    const int64_t even = rows / row_blocks, extra = rows % row_blocks;
+#pragma omp parallel for schedule(static) num_threads(omp_get_max_threads())
+    for (int64_t item = 0; item < panels * row_blocks; item++) {
+        const int64_t p = item / row_blocks, rb = item % row_blocks;
+        const int64_t r = even + (rb < extra), r0 = rb * even + (rb < extra ? rb : extra);
+        const char *fetch = 0;
+        int64_t fetch_n = 0, per = 1;
+        if (rb > 0 && p + 1 < panels) { /* this pass's share of the next panel */
+            const int64_t share = (lines + row_blocks - 2) / (row_blocks - 1);
+            const int64_t from = (rb - 1) * share, to = from + share < lines ? from + share : lines;
+            fetch = (const char *)(w + (p + 1) * k * PANEL) + from * 64;
+            fetch_n = to > from ? to - from : 0;
+            per = (share + k - 1) / k;
+        }
+        panel_rows[r](x + r0 * x_rs, x_rs, w + p * k * PANEL, k, kb, bias ? bias + p * PANEL : 0,
+                      out + r0 * n + p * PANEL, n, rb == 0, fetch, fetch_n, per);
+    }
+}
 #endif
+
+/* The op: out [rows, n] = x [rows, k] (row stride x_rs) times the packed weight, plus bias */
+static int32_t call_op(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
+                       int32_t dtype, const Weight *weight, void *bias) {
     int64_t elem = 0;
     for (int i = 0; i < 2; i++)
         if (codes[i] == dtype) elem = sizes_of[i];
@@ -169,4 +260,71 @@ int32_t onednn_linear(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out,
     if (hb) drop(hb);
     if (hx) drop(hx);
     return err;
+}
+
+#if defined(__AVX512F__)
+/* Float32 rows on the panels where this row count's k block is known; on the first call at a
+ * row count, the op's result (in ``out``), then the k blocks oneDNN may have used, tried until
+ * one gives its bits. 0 when done here, 1 when the op must run, else the op's error. */
+static int32_t f32_rows(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
+                        Weight *weight, void *bias) {
+    int16_t *kb = weight->k_block + rows;
+    if (*kb < 0) return 1;
+    if (*kb > 0) {
+        panels_f32(x, rows, k, x_rs, weight->blocked, n, *kb, bias, out);
+        return 0;
+    }
+    const int32_t err = call_op(x, rows, k, x_rs, out, n, codes[0], weight, bias);
+    if (err) return err;
+    float *mine = malloc((size_t)(rows * n) * sizeof(float));
+    *kb = -1;
+    static const int16_t tried[2] = {512, 1024};
+    for (int i = 0; mine && i < 2 && *kb < 0; i++) {
+        panels_f32(x, rows, k, x_rs, weight->blocked, n, tried[i], bias, mine);
+        if (!memcmp(mine, out, (size_t)(rows * n) * sizeof(float))) *kb = tried[i];
+    }
+    free(mine);
+    return 0;
+}
+#endif
+
+/* 1 where float32 rows may take the panel path (an AVX-512 build) */
+int32_t onednn_panels(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The most rows this file multiplies itself in ``dtype`` (where the weight's layout allows) */
+int64_t onednn_own_rows(int32_t dtype) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (dtype == codes[1] && onednn_tiles()) return ROWS;
+#endif
+#if defined(__AVX512F__)
+    if (dtype == codes[0]) return F32_ROWS;
+#endif
+    (void)dtype;
+    return 0;
+}
+
+/* out [rows, n] = x [rows, k] (row stride x_rs) times the packed weight ``w`` (a ``Weight``),
+ * plus bias [n] (a plain vector, or NULL). 0 on success, else the first error. */
+int32_t onednn_linear(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
+                      int32_t dtype, void *w, void *bias) {
+    Weight *weight = (Weight *)w;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx && weight->blocked && dtype == codes[1] && rows <= ROWS && k <= MAX_K) {
+        tile_rows(x, rows, k, x_rs, n, weight, bias, out);
+        return 0;
+    }
+#endif
+#if defined(__AVX512F__)
+    if (weight->blocked && dtype == codes[0] && rows >= 1 && rows <= F32_ROWS) {
+        const int32_t done = f32_rows(x, rows, k, x_rs, out, n, weight, bias);
+        if (done != 1) return done;
+    }
+#endif
+    return call_op(x, rows, k, x_rs, out, n, dtype, weight, bias);
 }

@@ -36,8 +36,16 @@ def _load() -> ctypes.CDLL:
     )
     lib.onednn_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _ptr, _ptr]
     lib.onednn_linear.restype = _i32
-    lib.onednn_tiles.argtypes = []
-    lib.onednn_tiles.restype = _i32
+    for flag in (lib.onednn_tiles, lib.onednn_panels):
+        flag.argtypes = []
+        flag.restype = _i32
+    lib.onednn_own_rows.argtypes = [_i32]
+    lib.onednn_own_rows.restype = _i64
+    if (
+        lib.onednn_panels()
+        and lib.onednn_own_rows(torch_shim.dtype_code(torch.float32)) != F32_ROWS
+    ):
+        raise RuntimeError("onednn_calls.c and onednn_calls.py disagree on F32_ROWS")
     return lib
 
 
@@ -49,33 +57,56 @@ def library() -> ctypes.CDLL | None:
     return _loaded.get()
 
 
+F32_ROWS = 64  # float32 rows the panel path takes (onednn_calls.c)
+
+
 class Weight(ctypes.Structure):
     """A packed weight for the C caller (``Weight`` in onednn_calls.c)."""
 
-    _fields_ = [("handle", _ptr), ("pairs", _ptr)]
+    _fields_ = [("handle", _ptr), ("blocked", _ptr), ("k_block", ctypes.c_int16 * (F32_ROWS + 1))]
+
+
+# The layouts onednn_calls.c reads, by dtype: [n / cols][k / pair][cols][pair]. bf16 in pairs of
+# k for 32 columns (what oneDNN's AMX kernels read), float32 in panels of 64 columns.
+_LAYOUTS = {torch.bfloat16: (32, 2), torch.float32: (64, 1)}
 
 
 @functools.cache
-def packs_in_pairs(n: int, k: int, batch_hint: int | None) -> bool:
-    """Whether oneDNN packs a bf16 [n, k] weight (with this batch hint) as [n / 32][k / 2][32]
-    [2], the layout onednn_calls.c's tile path reads: checked on a packed probe, since the
+def packs_as_read(n: int, k: int, batch_hint: int | None, dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs a [n, k] weight of ``dtype`` (with this batch hint) in the layout
+    onednn_calls.c reads for that dtype (``_LAYOUTS``): checked on a packed probe, since the
     layout is oneDNN's choice (by CPU, shape and hint), not a promise."""
-    if n % 32 or k % 32:
+    cols, pair = _LAYOUTS[dtype]
+    if n % cols or (dtype == torch.bfloat16 and k % 32):  # the tiles take k 32 at a time
         return False
-    probe = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).bfloat16()
+    probe = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(probe, batch_hint)
-    if torch.ops.mkldnn._nbytes(packed) != n * k * 2:
+    size = probe.element_size()
+    if torch.ops.mkldnn._nbytes(packed) != n * k * size:
         return False
-    raw = (ctypes.c_uint16 * (n * k)).from_address(torch.ops.mkldnn.data_ptr(packed))
-    got = torch.frombuffer(raw, dtype=torch.int16).view(torch.bfloat16)
-    want = probe.view(n // 32, 32, k // 2, 2).permute(0, 2, 1, 3).reshape(-1)
+    raw = (ctypes.c_uint8 * (n * k * size)).from_address(torch.ops.mkldnn.data_ptr(packed))
+    got = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
+    want = probe.view(n // cols, cols, k // pair, pair).permute(0, 2, 1, 3).reshape(-1)
     return torch.equal(got, want)
+
+
+def _blocked(weight: torch.Tensor, batch_hint: int | None) -> int | None:
+    """The packed buffer's address where onednn_calls.c reads it itself (bf16 on a CPU with
+    AMX, float32 in an AVX-512 build, laid out as ``packs_as_read`` checks); else None."""
+    lib = library()
+    if lib is None or weight.dtype not in _LAYOUTS:
+        return None
+    on_cpu = lib.onednn_tiles() if weight.dtype == torch.bfloat16 else lib.onednn_panels()
+    n, k = weight.shape
+    if on_cpu and packs_as_read(n, k, batch_hint, weight.dtype):
+        return torch.ops.mkldnn.data_ptr(weight)
+    return None
 
 
 class WeightHandles:
     """Packed weights for the C caller: torch's tensor handles (heap ``at::Tensor``s, each
-    holding a reference), all released when this is dropped, and where the tile path takes
-    a weight (bf16, AMX, ``packs_in_pairs``) the address of its buffer."""
+    holding a reference), all released when this is dropped, and where onednn_calls.c reads a
+    weight's buffer itself (``_blocked``) its address."""
 
     def __init__(self) -> None:
         self._capsules: list = []  # torch hands a handle out and takes it back as a capsule
@@ -83,19 +114,11 @@ class WeightHandles:
         self._steal = torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr  # kept for __del__
 
     def of(self, weight: torch.Tensor, batch_hint: int | None) -> int:
-        """The address of a ``Weight`` for ``weight``, packed with ``batch_hint`` (the tile
-        path checks the layout oneDNN gives that hint)."""
+        """The address of a ``Weight`` for ``weight``, packed with ``batch_hint`` (the layout
+        checks ask oneDNN for that hint's)."""
         capsule = torch._C._aoti.unsafe_alloc_void_ptr_from_tensor(weight)
         self._capsules.append(capsule)
-        n, k = weight.shape
-        lib = library()
-        tiles = weight.dtype == torch.bfloat16 and lib is not None and lib.onednn_tiles()
-        pairs = (
-            torch.ops.mkldnn.data_ptr(weight)
-            if tiles and packs_in_pairs(n, k, batch_hint)
-            else None
-        )
-        held = Weight(_capsule_pointer(capsule, None), pairs)
+        held = Weight(_capsule_pointer(capsule, None), _blocked(weight, batch_hint))
         self._weights.append(held)
         return ctypes.addressof(held)
 
@@ -112,6 +135,33 @@ class WeightHandles:
 _capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 _capsule_pointer.restype = ctypes.c_void_p
+
+
+class OwnRows:
+    """One packed weight as ``PackedLinear`` hands few rows to onednn_calls.c, where it
+    multiplies them itself from the packed buffer (bf16 on AMX tiles, float32 panels): the
+    op's bits without the op's ~20 us a call (a decode step's lm_head, the Python loop's
+    decode rows)."""
+
+    def __init__(self, weight: torch.Tensor, batch_hint: int | None) -> None:
+        self._handles = WeightHandles()
+        self.address = self._handles.of(weight, batch_hint)
+        self.out_features = weight.shape[0]
+        own = self._handles._weights[-1].blocked
+        lib = library()
+        self.max_rows = lib.onednn_own_rows(torch_shim.dtype_code(weight.dtype)) if own else 0
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, self.address, self.out_features, bias)
+
+
+def own_rows(weight: torch.Tensor, batch_hint: int | None) -> OwnRows | None:
+    """An ``OwnRows`` for a packed weight, or None where onednn_calls.c would only call the op
+    (another layout, dtype or CPU; no caller here)."""
+    if library() is None:
+        return None
+    caller = OwnRows(weight, batch_hint)
+    return caller if caller.max_rows else None
 
 
 def linear(
