@@ -41,9 +41,10 @@ def _case(q_lens, ctx_lens, heads, kv_heads, dim, seed=0, page=16):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("window", [None, 24, 100])
 def test_chunks_over_cached_prefixes_match_dense(dim, heads, kv_heads, window):
-    # fresh prompts, chunks over a cached prefix ending inside a page and on its edge, a
-    # chunk of 17 rows (a whole lane block and one row), pages of 8 tokens, beside decodes
-    q_lens, ctx_lens = [1, 1, 40, 100, 17, 64], [9, 300, 40, 130, 200, 96]
+    # fresh prompts, chunks over a cached prefix ending inside a page and on its edge, chunks
+    # of 17 rows (one vector of queries and a row), 40 (an item and a partial vector), 48 (an
+    # item and a whole vector), pages of 8 tokens, beside decodes
+    q_lens, ctx_lens = [1, 1, 40, 100, 17, 64, 48], [9, 300, 40, 130, 200, 96, 70]
     for page, strided in ((16, False), (8, True)):
         q, k, v, kc, vc, batch, keys, values = _case(q_lens, ctx_lens, heads, kv_heads, dim,
                                                      page=page)  # fmt: skip
