@@ -79,7 +79,7 @@ def packs_as_read(n: int, k: int, batch_hint: int | None, dtype: torch.dtype) ->
     cols, pair = _LAYOUTS[dtype]
     if n % cols or (dtype == torch.bfloat16 and k % 32):  # the tiles take k 32 at a time
         return False
-    probe = torch.randn(n, k, generator=torch.Generator().manual_seed(0)).to(dtype)
+    probe = torch.randn(n, k, generator=torch.Generator().manual_seed(0), dtype=dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(probe, batch_hint)
     size = probe.element_size()
     if torch.ops.mkldnn._nbytes(packed) != n * k * size:
