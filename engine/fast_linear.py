@@ -226,7 +226,7 @@ class PackedLinear(nn.Module):
             return F.linear(x.float(), self.plain_weight.float(), bias).to(self.dtype)
         own = self._own_rows
         if own is False:
-            own = self._own_rows = onednn_calls.own_rows(self.packed_weight, self.batch_hint)
+            own = self._own_rows = onednn_calls.own_rows(self.packed_weight)
         if own is not None and 0 < rows <= own.max_rows and x.is_contiguous():
             out = own(x.view(rows, self.in_features), self.bias)
             return out.view(*x.shape[:-1], self.out_features)

@@ -174,7 +174,7 @@ def _build(flat, kv, modules) -> tuple | None:
     def weight_of(m) -> int:
         if handles is None:
             return m.packed_weight.data_ptr()
-        return handles.of(m.packed_weight, m.batch_hint)
+        return handles.of(m.packed_weight)
 
     eps, pages, held = set(), set(), [handles]
     for i, (layer, linears) in enumerate(zip(flat._layers, modules, strict=True)):

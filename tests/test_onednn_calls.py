@@ -20,27 +20,45 @@ def _tiles() -> bool:
     return bool(onednn_calls.library().onednn_tiles())
 
 
+def _runs_here(dtype: torch.dtype) -> bool:
+    """Whether this file's own product should take the rows here: on Intel CPUs with AMX the
+    layouts and oneDNN's orders are ones it knows (elsewhere the op may keep them)."""
+    return _tiles() and (dtype == torch.bfloat16 or bool(onednn_calls.library().onednn_panels()))
+
+
+def _check_rows(packed, n, k, dtype, rows_list, limit, g):
+    """Each row count twice (the first call is the op's, checked against this file's; the
+    second this file's where it gave the op's bits), with and without bias: the op's bits."""
+    bias = (torch.randn(n, generator=g) * 0.1).to(dtype)
+    handles = onednn_calls.WeightHandles()
+    address = handles.of(packed)
+    held = handles._weights[-1]
+    if _runs_here(dtype):
+        assert held.blocked == torch.ops.mkldnn.data_ptr(packed)
+    for rows in rows_list:
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        for b in (None, bias):
+            want = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+            for call in ("checks", "runs"):
+                got = onednn_calls.linear(x, address, n, b)
+                assert torch.equal(got, want), (rows, call, b is None, (got - want).abs().max())
+        if rows <= limit and _runs_here(dtype):
+            assert held.found[rows] > 0, rows  # this file's product gave the op's bits
+    return held
+
+
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_decode_rows_give_the_ops_bits(n, k):
     g = torch.Generator().manual_seed(n + k)
-    weight = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, HINT)
-    bias = (torch.randn(n, generator=g) * 0.1).bfloat16()
-    handles = onednn_calls.WeightHandles()
-    address = handles.of(packed, HINT)
-    if _tiles():  # the tile path takes this weight: oneDNN packed it in pairs
-        assert onednn_calls.packs_as_read(n, k, HINT, torch.bfloat16)
-        assert handles._weights[-1].blocked == torch.ops.mkldnn.data_ptr(packed)
-    for rows in (1, 7, 16, 17, 32, 33):  # one tile of rows, two, and past the tile path
-        x = torch.randn(rows, k, generator=g).bfloat16()
-        for b in (None, bias):
-            want = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-            got = onednn_calls.linear(x, address, n, b)
-            assert torch.equal(got, want), (rows, b is None, (got - want).abs().max())
+    packed = torch.ops.mkldnn._reorder_linear_weight(
+        (torch.randn(n, k, generator=g) * 0.05).bfloat16(), HINT
+    )
+    # one tile of rows, two, and past the tile path
+    _check_rows(packed, n, k, torch.bfloat16, (1, 7, 16, 17, 32, 33), 32, g)
 
 
 # SmolLM2's shapes again (k 1536: oneDNN sums k in blocks of 1024 from 2 rows, 512 at 1), and a
-# k that is no multiple of 32
+# k past 1,024 and no multiple of 32
 F32_SHAPES = [*SHAPES, (128, 1104)]
 
 
@@ -48,50 +66,44 @@ F32_SHAPES = [*SHAPES, (128, 1104)]
 def test_float32_rows_give_the_ops_bits(n, k):
     g = torch.Generator().manual_seed(n * k)
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, generator=g) * 0.05, HINT)
-    bias = torch.randn(n, generator=g) * 0.1
-    handles = onednn_calls.WeightHandles()
-    address = handles.of(packed, HINT)
-    held = handles._weights[-1]
-    panels = bool(held.blocked)
-    if onednn_calls.library().onednn_panels():
-        assert panels == onednn_calls.packs_as_read(n, k, HINT, torch.float32)
-    for rows in (1, 2, 5, 6, 7, 13, 32, 63, 64, 65):  # blocks of 6 rows, partial ones, past 64
-        x = torch.randn(rows, k, generator=g)
-        for b in (None, bias):
-            want = torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
-            for call in ("learns", "runs"):  # the first call at a row count learns k's blocks
-                got = onednn_calls.linear(x, address, n, b)
-                assert torch.equal(got, want), (rows, call, b is None, (got - want).abs().max())
-        if panels and rows <= onednn_calls.F32_ROWS and _tiles():
-            # on Intel CPUs with AMX oneDNN's order is one the panel path knows: it runs here
-            assert held.k_block[rows] in (512, 1024), rows
+    # blocks of 6 rows, partial ones, and past 64
+    held = _check_rows(packed, n, k, torch.float32, (1, 2, 5, 6, 7, 13, 32, 63, 64, 65), 64, g)
+    if _runs_here(torch.float32):
+        assert set(held.found[1:65:1]) <= {0, 512, 1024}
 
 
-def test_float32_panels_in_another_k_order_give_other_bits():
-    """What the learning guards against: the wrong k blocks change the result."""
+def test_a_product_in_another_order_is_not_kept():
+    """What the first call's check guards against: the float32 panels summed in other k blocks
+    than oneDNN's give other bits, and a row count where nothing of ours matched keeps the op."""
     n, k = 576, 1536
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k) * 0.05, HINT)
     handles = onednn_calls.WeightHandles()
-    address = handles.of(packed, HINT)
+    address = handles.of(packed)
     held = handles._weights[-1]
     if not held.blocked:
         pytest.skip("oneDNN does not pack float32 in panels here")
     x = torch.randn(8, k)
     want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    held.k_block[8] = 256  # not oneDNN's blocks at this shape
+    held.found[8] = 256  # not oneDNN's blocks at this shape
     assert not torch.equal(onednn_calls.linear(x, address, n), want)
+    held.found[8] = -1  # nothing matched: the op
+    assert torch.equal(onednn_calls.linear(x, address, n), want)
 
 
 def test_weights_the_c_paths_do_not_take_go_through_the_op():
-    # 48 columns: not a whole block of 32 (bf16) or a panel of 64 (float32)
+    # 48 columns: not a whole block of 32 (bf16) or a panel of 64 (float32); 1,100 k: oneDNN
+    # pads float32 k to 16 (the buffer is no n x k one)
     g = torch.Generator().manual_seed(0)
     handles = onednn_calls.WeightHandles()
-    for weight in ((torch.randn(48, 64, generator=g)).bfloat16(), torch.randn(48, 64, generator=g)):
+    weights = (
+        torch.randn(48, 64, generator=g).bfloat16(),
+        torch.randn(48, 64, generator=g),
+        torch.randn(64, 1100, generator=g),
+    )
+    for weight in weights:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, HINT)
-        address = handles.of(packed, HINT)
+        address = handles.of(packed)
         assert not handles._weights[-1].blocked
-        x = torch.randn(3, 64, generator=g).to(weight.dtype)
+        x = torch.randn(3, weight.shape[1], generator=g).to(weight.dtype)
         want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         assert torch.equal(onednn_calls.linear(x, address, weight.shape[0]), want)
-    assert not onednn_calls.packs_as_read(48, 64, HINT, torch.bfloat16)
-    assert not onednn_calls.packs_as_read(48, 64, HINT, torch.float32)

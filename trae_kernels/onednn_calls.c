@@ -21,10 +21,13 @@
  * Float32 rows (at most 64, any CPU with AVX-512) skip it too where oneDNN laid the weight out
  * as [n / 64][k][64] (panels of 64 columns): oneDNN's float32 kernels at these rows reached
  * ~170 GFLOP/s on a step's linears streamed from memory, where a panel multiplied by 6 rows at
- * a time, the next panel fetched meanwhile, reaches ~250. oneDNN sums k in blocks (512 or 1024
- * by shape and rows, each summed on its own, then added in order): the block size is learnt
- * per weight and row count on the first call, from the op's own result, and kept only if it
- * gives the op's bits; else that row count stays with the op.
+ * a time, the next panel fetched meanwhile, reaches ~230. oneDNN sums k in blocks (512 or 1024
+ * by shape and rows, each summed on its own, then added in order).
+ *
+ * Neither layout nor order is a promise of oneDNN's, so both paths prove themselves: the first
+ * call at each row count of a weight is answered by the op, this file's product runs beside it
+ * (float32: with each k block oneDNN is known to use), and that row count stays here only where
+ * the bits are the op's; else it keeps the op.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -40,13 +43,14 @@
 
 #define F32_ROWS 64 /* float32 rows the panel path takes */
 
-/* A packed weight as the layer loop holds it: torch's handle; its buffer where its layout is
- * the one this file reads for its dtype (bf16 pairs, float32 panels; else NULL); and for
- * float32, oneDNN's k block at each row count (0: not yet learnt, -1: none matched) */
+/* A packed weight as the layer loop holds it: torch's handle; its buffer where this file may
+ * read it itself (bf16 on tiles, float32 panels; else NULL); and what the first call at each
+ * row count found: 0 not yet called, -1 the op (nothing here gave its bits), else how this
+ * file gives them (float32: oneDNN's k block; bf16: 1) */
 typedef struct {
     void *handle;
     const void *blocked;
-    int16_t k_block[F32_ROWS + 1];
+    int16_t found[F32_ROWS + 1];
 } Weight;
 
 typedef int32_t (*blob_fn)(void *data, int64_t ndim, const int64_t *sizes,
@@ -263,29 +267,51 @@ static int32_t call_op(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out
 }
 
 #if defined(__AVX512F__)
-/* Float32 rows on the panels where this row count's k block is known; on the first call at a
- * row count, the op's result (in ``out``), then the k blocks oneDNN may have used, tried until
- * one gives its bits. 0 when done here, 1 when the op must run, else the op's error. */
-static int32_t f32_rows(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
-                        Weight *weight, void *bias) {
-    int16_t *kb = weight->k_block + rows;
-    if (*kb < 0) return 1;
-    if (*kb > 0) {
-        panels_f32(x, rows, k, x_rs, weight->blocked, n, *kb, bias, out);
+/* This file's own product of the rows into ``out``, ``how`` as own_rows found it */
+typedef void (*own_fn)(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
+                       const Weight *w, void *bias, int16_t how);
+
+/* The rows by ``run`` where the first call at this row count found a way (``ways``, tried in
+ * order) that gives the op's bits; on that first call the op answers, and each way is run
+ * beside it and compared. 0 when answered, 1 when the op must run, else the op's error. */
+static int32_t own_rows(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
+                        int32_t dtype, size_t elem, Weight *weight, void *bias, own_fn run,
+                        const int16_t *ways, int n_ways) {
+    int16_t *found = weight->found + rows;
+    if (*found < 0) return 1;
+    if (*found > 0) {
+        run(x, rows, k, x_rs, out, n, weight, bias, *found);
         return 0;
     }
-    const int32_t err = call_op(x, rows, k, x_rs, out, n, codes[0], weight, bias);
+    const int32_t err = call_op(x, rows, k, x_rs, out, n, dtype, weight, bias);
     if (err) return err;
-    float *mine = malloc((size_t)(rows * n) * sizeof(float));
-    *kb = -1;
-    static const int16_t tried[2] = {512, 1024};
-    for (int i = 0; mine && i < 2 && *kb < 0; i++) {
-        panels_f32(x, rows, k, x_rs, weight->blocked, n, tried[i], bias, mine);
-        if (!memcmp(mine, out, (size_t)(rows * n) * sizeof(float))) *kb = tried[i];
+    void *mine = malloc((size_t)(rows * n) * elem);
+    *found = -1;
+    for (int i = 0; mine && i < n_ways && *found < 0; i++) {
+        run(x, rows, k, x_rs, mine, n, weight, bias, ways[i]);
+        if (!memcmp(mine, out, (size_t)(rows * n) * elem)) *found = ways[i];
     }
     free(mine);
     return 0;
 }
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+static void tiles_run(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
+                      const Weight *w, void *bias, int16_t how) {
+    (void)how;
+    tile_rows(x, rows, k, x_rs, n, w, bias, out);
+}
+static const int16_t TILE_WAYS[1] = {1};
+#endif
+
+#if defined(__AVX512F__)
+static void panels_run(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
+                       const Weight *w, void *bias, int16_t k_block) {
+    panels_f32(x, rows, k, x_rs, w->blocked, n, k_block, bias, out);
+}
+/* oneDNN's k blocks seen on an Intel Xeon with AMX: 512, or 1,024 from 2 rows where k > 1,024 */
+static const int16_t K_BLOCKS[2] = {512, 1024};
 #endif
 
 /* 1 where float32 rows may take the panel path (an AVX-512 build) */
@@ -314,17 +340,15 @@ int64_t onednn_own_rows(int32_t dtype) {
 int32_t onednn_linear(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
                       int32_t dtype, void *w, void *bias) {
     Weight *weight = (Weight *)w;
+    int32_t done = 1;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (amx && weight->blocked && dtype == codes[1] && rows <= ROWS && k <= MAX_K) {
-        tile_rows(x, rows, k, x_rs, n, weight, bias, out);
-        return 0;
-    }
+    if (amx && weight->blocked && dtype == codes[1] && rows >= 1 && rows <= ROWS && k <= MAX_K)
+        done = own_rows(x, rows, k, x_rs, out, n, dtype, 2, weight, bias, tiles_run, TILE_WAYS, 1);
 #endif
 #if defined(__AVX512F__)
-    if (weight->blocked && dtype == codes[0] && rows >= 1 && rows <= F32_ROWS) {
-        const int32_t done = f32_rows(x, rows, k, x_rs, out, n, weight, bias);
-        if (done != 1) return done;
-    }
+    if (weight->blocked && dtype == codes[0] && rows >= 1 && rows <= F32_ROWS)
+        done = own_rows(x, rows, k, x_rs, out, n, dtype, 4, weight, bias, panels_run, K_BLOCKS, 2);
 #endif
+    if (done != 1) return done;
     return call_op(x, rows, k, x_rs, out, n, dtype, weight, bias);
 }

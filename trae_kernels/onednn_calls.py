@@ -9,7 +9,6 @@ where it cannot be had (no C compiler, torch without oneDNN) the layer loop stay
 from __future__ import annotations
 
 import ctypes
-import functools
 from pathlib import Path
 
 import torch
@@ -63,44 +62,34 @@ F32_ROWS = 64  # float32 rows the panel path takes (onednn_calls.c)
 class Weight(ctypes.Structure):
     """A packed weight for the C caller (``Weight`` in onednn_calls.c)."""
 
-    _fields_ = [("handle", _ptr), ("blocked", _ptr), ("k_block", ctypes.c_int16 * (F32_ROWS + 1))]
+    _fields_ = [("handle", _ptr), ("blocked", _ptr), ("found", ctypes.c_int16 * (F32_ROWS + 1))]
 
 
-# The layouts onednn_calls.c reads, by dtype: [n / cols][k / pair][cols][pair]. bf16 in pairs of
-# k for 32 columns (what oneDNN's AMX kernels read), float32 in panels of 64 columns.
-_LAYOUTS = {torch.bfloat16: (32, 2), torch.float32: (64, 1)}
+# The columns of a block of the layouts onednn_calls.c reads, by dtype: bf16 [n / 32][k / 2][32][2]
+# (pairs of k for 32 columns, what oneDNN's AMX kernels read), float32 [n / 64][k][64] (panels)
+_BLOCK_COLUMNS = {torch.bfloat16: 32, torch.float32: 64}
 
 
-@functools.cache
-def packs_as_read(n: int, k: int, batch_hint: int | None, dtype: torch.dtype) -> bool:
-    """Whether oneDNN packs a [n, k] weight of ``dtype`` (with this batch hint) in the layout
-    onednn_calls.c reads for that dtype (``_LAYOUTS``): checked on a packed probe, since the
-    layout is oneDNN's choice (by CPU, shape and hint), not a promise."""
-    cols, pair = _LAYOUTS[dtype]
-    if n % cols or (dtype == torch.bfloat16 and k % 32):  # the tiles take k 32 at a time
-        return False
-    probe = torch.randn(n, k, generator=torch.Generator().manual_seed(0), dtype=dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(probe, batch_hint)
-    size = probe.element_size()
-    if torch.ops.mkldnn._nbytes(packed) != n * k * size:
-        return False
-    raw = (ctypes.c_uint8 * (n * k * size)).from_address(torch.ops.mkldnn.data_ptr(packed))
-    got = torch.frombuffer(raw, dtype=torch.uint8).view(dtype)
-    want = probe.view(n // cols, cols, k // pair, pair).permute(0, 2, 1, 3).reshape(-1)
-    return torch.equal(got, want)
-
-
-def _blocked(weight: torch.Tensor, batch_hint: int | None) -> int | None:
-    """The packed buffer's address where onednn_calls.c reads it itself (bf16 on a CPU with
-    AMX, float32 in an AVX-512 build, laid out as ``packs_as_read`` checks); else None."""
+def _blocked(weight: torch.Tensor) -> int | None:
+    """The packed buffer's address where onednn_calls.c may read it itself: bf16 on a CPU with
+    AMX, float32 in an AVX-512 build, whole blocks of its columns (and of 32 k for the tiles),
+    and a buffer of exactly n x k elements (no padding), so that any reading stays inside it.
+    Whether the layout and order are the ones it reads, the first call at each row count
+    checks against the op (onednn_calls.c's ``own_rows``). Else None: the op."""
     lib = library()
-    if lib is None or weight.dtype not in _LAYOUTS:
+    if lib is None or weight.dtype not in _BLOCK_COLUMNS:
         return None
     on_cpu = lib.onednn_tiles() if weight.dtype == torch.bfloat16 else lib.onednn_panels()
     n, k = weight.shape
-    if on_cpu and packs_as_read(n, k, batch_hint, weight.dtype):
-        return torch.ops.mkldnn.data_ptr(weight)
-    return None
+    if (
+        not on_cpu
+        or n % _BLOCK_COLUMNS[weight.dtype]
+        or (weight.dtype == torch.bfloat16 and k % 32)
+    ):
+        return None
+    if torch.ops.mkldnn._nbytes(weight) != n * k * weight.element_size():
+        return None
+    return torch.ops.mkldnn.data_ptr(weight)
 
 
 class WeightHandles:
@@ -113,12 +102,11 @@ class WeightHandles:
         self._weights: list[Weight] = []
         self._steal = torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr  # kept for __del__
 
-    def of(self, weight: torch.Tensor, batch_hint: int | None) -> int:
-        """The address of a ``Weight`` for ``weight``, packed with ``batch_hint`` (the layout
-        checks ask oneDNN for that hint's)."""
+    def of(self, weight: torch.Tensor) -> int:
+        """The address of a ``Weight`` for ``weight`` (packed by ``_reorder_linear_weight``)."""
         capsule = torch._C._aoti.unsafe_alloc_void_ptr_from_tensor(weight)
         self._capsules.append(capsule)
-        held = Weight(_capsule_pointer(capsule, None), _blocked(weight, batch_hint))
+        held = Weight(_capsule_pointer(capsule, None), _blocked(weight))
         self._weights.append(held)
         return ctypes.addressof(held)
 
@@ -143,9 +131,9 @@ class OwnRows:
     op's bits without the op's ~20 us a call (a decode step's lm_head, the Python loop's
     decode rows)."""
 
-    def __init__(self, weight: torch.Tensor, batch_hint: int | None) -> None:
+    def __init__(self, weight: torch.Tensor) -> None:
         self._handles = WeightHandles()
-        self.address = self._handles.of(weight, batch_hint)
+        self.address = self._handles.of(weight)
         self.out_features = weight.shape[0]
         own = self._handles._weights[-1].blocked
         lib = library()
@@ -155,12 +143,12 @@ class OwnRows:
         return linear(x, self.address, self.out_features, bias)
 
 
-def own_rows(weight: torch.Tensor, batch_hint: int | None) -> OwnRows | None:
+def own_rows(weight: torch.Tensor) -> OwnRows | None:
     """An ``OwnRows`` for a packed weight, or None where onednn_calls.c would only call the op
     (another layout, dtype or CPU; no caller here)."""
     if library() is None:
         return None
-    caller = OwnRows(weight, batch_hint)
+    caller = OwnRows(weight)
     return caller if caller.max_rows else None
 
 
