@@ -160,7 +160,7 @@ def test_few_rows_multiplied_in_c_give_the_ops_bits(dtype, bias):
             assert torch.equal(packed(x), want), rows
             assert torch.equal(packed(x.view(1, rows, -1))[0], want), rows
     own = packed._own_rows
-    if dtype == torch.float32 and onednn_calls.library() and onednn_calls.library().onednn_panels():
+    if dtype == torch.float32 and onednn_calls.own_rows_limit(torch.float32):
         assert own is not None and own.max_rows == onednn_calls.F32_ROWS
 
 

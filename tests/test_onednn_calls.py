@@ -17,13 +17,13 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (512, 128)]
 
 
 def _tiles() -> bool:
-    return bool(onednn_calls.library().onednn_tiles())
+    return onednn_calls.own_rows_limit(torch.bfloat16) > 0
 
 
 def _runs_here(dtype: torch.dtype) -> bool:
     """Whether this file's own product should take the rows here: on Intel CPUs with AMX the
     layouts and oneDNN's orders are ones it knows (elsewhere the op may keep them)."""
-    return _tiles() and (dtype == torch.bfloat16 or bool(onednn_calls.library().onednn_panels()))
+    return _tiles() and onednn_calls.own_rows_limit(dtype) > 0
 
 
 def _check_rows(packed, n, k, dtype, rows_list, limit, g):

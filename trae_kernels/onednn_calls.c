@@ -13,10 +13,10 @@
  *
  * Decode rows on AMX (bf16, at most 32 rows) skip the op: a call through torch costs ~21 us
  * whatever the shape (dispatch, ideep's tensors, the primitive cache's key, the output's
- * allocation and copy), 121 calls a SmolLM2 step, while the other thread waits. Where
- * onednn_calls.py found oneDNN's packed weight laid out as [n / 32][k / 2][32][2] (pairs of
- * k for 32 columns, what its AMX kernels read), these rows are multiplied here on tiles from
- * that buffer, k in the same order, for the same bits.
+ * allocation and copy), 121 calls a SmolLM2 step, while the other thread waits. These rows
+ * are multiplied here on tiles from oneDNN's packed buffer, read as [n / 32][k / 2][32][2]
+ * (pairs of k for 32 columns, what its AMX kernels read), k in the same order, for the same
+ * bits.
  *
  * Float32 rows (at most 64, any CPU with AVX-512) skip it too where oneDNN laid the weight out
  * as [n / 64][k][64] (panels of 64 columns): oneDNN's float32 kernels at these rows reached
@@ -150,15 +150,13 @@ static void tile_rows(const bf16 *x, int64_t rows, int64_t k, int64_t x_rs, int6
 }
 #endif
 
-/* 1 where decode rows may take the tile path (the CPU has AMX and the OS grants its state) */
-int32_t onednn_tiles(void) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* 1 where decode rows may take the tile path (the CPU has AMX and the OS grants its state) */
+static int32_t tiles_granted(void) {
     if (!amx) amx = request_tiles();
     return amx;
-#else
-    return 0;
-#endif
 }
+#endif
 
 #if defined(__AVX512F__)
 #define PANEL 64 /* columns of a float32 panel: four vectors */
@@ -314,19 +312,11 @@ static void panels_run(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out
 static const int16_t K_BLOCKS[2] = {512, 1024};
 #endif
 
-/* 1 where float32 rows may take the panel path (an AVX-512 build) */
-int32_t onednn_panels(void) {
-#if defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-/* The most rows this file multiplies itself in ``dtype`` (where the weight's layout allows) */
+/* The most rows this file multiplies itself in ``dtype`` (where the weight's layout allows); 0:
+ * none in this build or on this CPU */
 int64_t onednn_own_rows(int32_t dtype) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-    if (dtype == codes[1] && onednn_tiles()) return ROWS;
+    if (dtype == codes[1] && tiles_granted()) return ROWS;
 #endif
 #if defined(__AVX512F__)
     if (dtype == codes[0]) return F32_ROWS;

@@ -35,15 +35,9 @@ def _load() -> ctypes.CDLL:
     )
     lib.onednn_linear.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _ptr, _ptr]
     lib.onednn_linear.restype = _i32
-    for flag in (lib.onednn_tiles, lib.onednn_panels):
-        flag.argtypes = []
-        flag.restype = _i32
     lib.onednn_own_rows.argtypes = [_i32]
     lib.onednn_own_rows.restype = _i64
-    if (
-        lib.onednn_panels()
-        and lib.onednn_own_rows(torch_shim.dtype_code(torch.float32)) != F32_ROWS
-    ):
+    if lib.onednn_own_rows(torch_shim.dtype_code(torch.float32)) not in (0, F32_ROWS):
         raise RuntimeError("onednn_calls.c and onednn_calls.py disagree on F32_ROWS")
     return lib
 
@@ -57,6 +51,13 @@ def library() -> ctypes.CDLL | None:
 
 
 F32_ROWS = 64  # float32 rows the panel path takes (onednn_calls.c)
+
+
+def own_rows_limit(dtype: torch.dtype) -> int:
+    """The most rows onednn_calls.c multiplies itself in ``dtype`` here (bf16: on AMX tiles;
+    float32: in an AVX-512 build), 0 where it only calls the op or cannot be had."""
+    lib = library()
+    return lib.onednn_own_rows(torch_shim.dtype_code(dtype)) if lib is not None else 0
 
 
 class Weight(ctypes.Structure):
@@ -76,16 +77,10 @@ def _blocked(weight: torch.Tensor) -> int | None:
     and a buffer of exactly n x k elements (no padding), so that any reading stays inside it.
     Whether the layout and order are the ones it reads, the first call at each row count
     checks against the op (onednn_calls.c's ``own_rows``). Else None: the op."""
-    lib = library()
-    if lib is None or weight.dtype not in _BLOCK_COLUMNS:
+    if weight.dtype not in _BLOCK_COLUMNS or not own_rows_limit(weight.dtype):
         return None
-    on_cpu = lib.onednn_tiles() if weight.dtype == torch.bfloat16 else lib.onednn_panels()
     n, k = weight.shape
-    if (
-        not on_cpu
-        or n % _BLOCK_COLUMNS[weight.dtype]
-        or (weight.dtype == torch.bfloat16 and k % 32)
-    ):
+    if n % _BLOCK_COLUMNS[weight.dtype] or (weight.dtype == torch.bfloat16 and k % 32):
         return None
     if torch.ops.mkldnn._nbytes(weight) != n * k * weight.element_size():
         return None
@@ -136,8 +131,7 @@ class OwnRows:
         self.address = self._handles.of(weight)
         self.out_features = weight.shape[0]
         own = self._handles._weights[-1].blocked
-        lib = library()
-        self.max_rows = lib.onednn_own_rows(torch_shim.dtype_code(weight.dtype)) if own else 0
+        self.max_rows = own_rows_limit(weight.dtype) if own else 0
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return linear(x, self.address, self.out_features, bias)
