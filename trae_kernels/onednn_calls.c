@@ -84,6 +84,12 @@ void onednn_bind(void *blob_f, void *drop_f, void *data_f, void *pointwise_f, in
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define ROWS 32    /* rows the tile path takes: two tiles of 16 */
 #define MAX_K 4096 /* the widest input it takes (its padded copy of the rows is on the stack) */
+/* Bytes of the packed weight fetched into L2 ahead of the tiles' loads. The weight streams
+ * from memory in order, but at 32 rows the products between loads leave the hardware's
+ * prefetchers behind: a step's 121 SmolLM2 linears (the lm_head included) took 10.9 ms
+ * without, 8.7 with 8 KB ahead (4 KB: 8.9, 32 KB: 8.9; into L1: 9.1); at 16 and 1 rows
+ * 0.96x and 1.0x the time. Alternating in one process, an Intel Xeon with AMX. */
+#define TILE_AHEAD 8192
 static int amx; /* 1 once the OS granted the tile state */
 
 /* Rows [0, rows) of 16 columns from ``at`` of sums ``s`` (16 x 16 float32), plus bias, rounded
@@ -109,6 +115,7 @@ static void tile_rows(const bf16 *x, int64_t rows, int64_t k, int64_t x_rs, int6
     memset(a + rows * k, 0, (size_t)((used - rows) * k) * sizeof(bf16));
     for (int64_t r = 0; r < rows; r++) memcpy(a + r * k, x + r * x_rs, (size_t)k * 2);
     const int64_t blocks = n / 32, two = rows > 16;
+    const char *end = (const char *)w->blocked + n * k * (int64_t)sizeof(bf16);
 #pragma omp parallel num_threads(omp_get_max_threads())
     {
         configure_tiles();
@@ -123,6 +130,9 @@ static void tile_rows(const bf16 *x, int64_t rows, int64_t k, int64_t x_rs, int6
                 _tile_zero(6);
             }
             for (int64_t j = 0; j < k; j += 32) {
+                const char *ahead = (const char *)(cols + (j / 2) * 64) + TILE_AHEAD;
+                for (int q = 0; q < 2048; q += 64) /* this step's 2 KB, TILE_AHEAD further on */
+                    if (ahead + q < end) _mm_prefetch(ahead + q, _MM_HINT_T1);
                 _tile_loadd(4, cols + (j / 2) * 64, 128);
                 _tile_loadd(7, cols + (j / 2) * 64 + 32, 128);
                 _tile_loadd(2, a + j, k * 2);
