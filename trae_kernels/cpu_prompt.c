@@ -43,23 +43,31 @@ typedef struct {
     int64_t out_rs;
 } Args;
 
-static inline const float *row_of(const Args *a, const float *cache, const int64_t *table,
-                                  int64_t k, int64_t kh) {
-    return cache + table[k / a->page_size] * a->page_s + (k % a->page_size) * a->tok_s +
-           kh * a->head_s;
+/* The rows of keys [k0, k0 + n) of KV head kh where they lie, walking the pages (one division
+ * a block, not one a key: the page size is not a constant here) */
+static inline void rows_of(const Args *a, const float *cache, const int64_t *table, int64_t k0,
+                           int64_t n, int64_t kh, const float **row) {
+    int64_t page = k0 / a->page_size, at = k0 % a->page_size;
+    const float *base = cache + table[page] * a->page_s + kh * a->head_s;
+    for (int64_t j = 0; j < n; j++) {
+        row[j] = base + at * a->tok_s;
+        if (++at == a->page_size && j + 1 < n) {
+            at = 0;
+            base = cache + table[++page] * a->page_s + kh * a->head_s;
+        }
+    }
 }
 
-/* S^T rows of keys [k0, k0 + n) into s0[j] and s1[j] (the item's two vectors of queries;
+/* S^T rows of n keys (their K rows) into s0[j] and s1[j] (the item's two vectors of queries;
  * n <= KEYS), GROUP keys at a time: each key's value loaded once serves both. */
-static inline __attribute__((always_inline)) void scores(const Args *a, const int64_t *table,
-                                                         int64_t kh, int64_t k0, int64_t n,
+static inline __attribute__((always_inline)) void scores(const float *const *rows, int64_t n,
                                                          const __m512 *qt0, const __m512 *qt1,
                                                          const int dim, __m512 *s0, __m512 *s1) {
     for (int64_t j = 0; j < n; j += GROUP) {
         const float *k[GROUP];
         __m512 acc0[GROUP], acc1[GROUP];
         for (int i = 0; i < GROUP; i++) {
-            k[i] = row_of(a, a->k_cache, table, k0 + (j + i < n ? j + i : n - 1), kh);
+            k[i] = rows[j + i < n ? j + i : n - 1];
             acc0[i] = acc1[i] = _mm512_setzero_ps();
         }
         for (int d = 0; d < dim; d++) {
@@ -78,11 +86,13 @@ static inline __attribute__((always_inline)) void scores(const Args *a, const in
 }
 
 /* One vector of queries' online softmax over a block of scores (s becomes P^T): returns the
- * factor its sums so far are rescaled by (1 where its maximum did not grow). */
+ * factor its sums so far are rescaled by (1 where its maximum did not grow: *grew is 0 where
+ * no lane's did). */
 static inline __attribute__((always_inline)) __m512 softmax_block(__m512 *s, int64_t nk,
                                                                   int64_t k0, int whole,
                                                                   __m512i pos, int64_t window,
-                                                                  __m512 *best, __m512 *total) {
+                                                                  __m512 *best, __m512 *total,
+                                                                  __mmask16 *grew_out) {
     __mmask16 seen[KEYS];
     __m512 most = *best;
     for (int64_t j = 0; j < nk; j++) {
@@ -91,6 +101,7 @@ static inline __attribute__((always_inline)) __m512 softmax_block(__m512 *s, int
     }
     /* lanes whose maximum grew rescale what they summed (exp(-inf) = 0 on the first) */
     const __mmask16 grew = _mm512_cmp_ps_mask(most, *best, _CMP_GT_OQ);
+    *grew_out = grew;
     __m512 alpha = _mm512_set1_ps(1.0f);
     if (grew) {
         alpha = _mm512_mask_blend_ps(grew, alpha, exp16(_mm512_sub_ps(*best, most)));
@@ -137,22 +148,25 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
     __m512 best1 = best0, total1 = total0;
     for (int64_t k0 = lo; k0 <= top; k0 += KEYS) {
         const int64_t nk = top - k0 + 1 < KEYS ? top - k0 + 1 : KEYS;
-        scores(a, table, kh, k0, nk, qt0, qt1, dim, s0, s1);
+        const float *kr[KEYS], *v[KEYS];
+        rows_of(a, a->k_cache, table, k0, nk, kh, kr);
+        rows_of(a, a->v_cache, table, k0, nk, kh, v);
+        scores(kr, nk, qt0, qt1, dim, s0, s1);
         const int whole = k0 >= whole_lo && k0 + nk - 1 <= pos0;
         /* the first vector sees no key past its last query: blocks past it add nothing to it
          * (all its lanes masked: P^T zeros), as the blocks a 16-query item never reached */
         const int first_too = k0 <= last0;
+        __mmask16 grew0 = 0, grew1;
         const __m512 alpha0 = first_too ? softmax_block(s0, nk, k0, whole, pos_0, a->window,
-                                                        &best0, &total0)
+                                                        &best0, &total0, &grew0)
                                         : _mm512_set1_ps(1.0f);
-        const __m512 alpha1 = softmax_block(s1, nk, k0, whole, pos_1, a->window, &best1, &total1);
-        const float *v[KEYS];
-        for (int64_t j = 0; j < nk; j++) v[j] = row_of(a, a->v_cache, table, k0 + j, kh);
+        const __m512 alpha1 =
+            softmax_block(s1, nk, k0, whole, pos_1, a->window, &best1, &total1, &grew1);
         for (int d0 = 0; d0 < dim; d0 += 8) { /* 8 dims of both vectors in registers */
             __m512 acc0[8], acc1[8];
-            for (int i = 0; i < 8; i++) {
-                acc0[i] = _mm512_mul_ps(o0[d0 + i], alpha0);
-                acc1[i] = _mm512_mul_ps(o1[d0 + i], alpha1);
+            for (int i = 0; i < 8; i++) { /* rescaled where a maximum grew (x 1 is x) */
+                acc0[i] = grew0 ? _mm512_mul_ps(o0[d0 + i], alpha0) : o0[d0 + i];
+                acc1[i] = grew1 ? _mm512_mul_ps(o1[d0 + i], alpha1) : o1[d0 + i];
             }
             if (first_too)
                 for (int64_t j = 0; j < nk; j++)
@@ -178,9 +192,13 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
         _mm512_store_ps(lanes_of[d], _mm512_mul_ps(o0[d], inv0));
         _mm512_store_ps(lanes_of[d] + LANES, _mm512_mul_ps(o1[d], inv1));
     }
+    const __m512i column = _mm512_mullo_epi32( /* a query's value of 16 dims */
+        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+        _mm512_set1_epi32(QUERIES));
     for (int64_t i = 0; i < n; i++) {
         float *row = a->out + (first_row + first + i) * a->out_rs + h * dim;
-        for (int d = 0; d < dim; d++) row[d] = lanes_of[d][i];
+        for (int d = 0; d < dim; d += 16)
+            _mm512_storeu_ps(row + d, _mm512_i32gather_ps(column, &lanes_of[d][i], 4));
     }
 }
 
