@@ -103,9 +103,7 @@ static void pack_values(const Args *a, const Chunk *c, int64_t kh, int64_t k0) {
         live[half] = n >= TILE ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1);
         base[half] = (const int32_t *)(n > 0 ? key_rows(a, a->v_cache, table, k, kh) : a->v_cache);
     }
-    const __m512i rows = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32((int32_t)(a->tok_s / 2)));
+    const __m512i rows = strided16((int32_t)(a->tok_s / 2));
     /* even elements of the two gathers, then the odd ones: dim 2i's and dim 2i+1's rows */
     const __m512i even = _mm512_set_epi16(62, 60, 58, 56, 54, 52, 50, 48, 46, 44, 42, 40, 38, 36,
                                           34, 32, 30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8,
@@ -260,9 +258,7 @@ static void attend_block(const Args *a, const Chunk *c, int64_t h, int64_t qb, i
     _tile_stored(7, o + 48 * TILE, 64);
     float inv[TILE] __attribute__((aligned(64)));
     _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), total));
-    const __m512i column = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(TILE));
+    const __m512i column = strided16(TILE);
     for (int64_t i = 0; i < n; i++) {
         bf16 *row = a->out + (c->first_row + first + i) * a->out_rs + h * a->dim + d0;
         const __m512 norm = _mm512_set1_ps(inv[i]);
@@ -399,9 +395,7 @@ static inline void prefetch_page(const DecodeArgs *a, const int64_t *table, int6
 /* Each head's scaled scores of the 16 keys of a stored S^T tile into score[g][at ..] */
 static inline __attribute__((always_inline)) void spread(const float *s, float scale, int G,
                                                          float (*score)[BLOCK], int64_t at) {
-    const __m512i column = _mm512_mullo_epi32(
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(TILE));
+    const __m512i column = strided16(TILE);
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int g = 0; g < G; g++)
         _mm512_storeu_ps(score[g] + at, _mm512_mul_ps(_mm512_i32gather_ps(column, s + g, 4), vscale));

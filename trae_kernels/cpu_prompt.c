@@ -192,9 +192,7 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
         _mm512_store_ps(lanes_of[d], _mm512_mul_ps(o0[d], inv0));
         _mm512_store_ps(lanes_of[d] + LANES, _mm512_mul_ps(o1[d], inv1));
     }
-    const __m512i column = _mm512_mullo_epi32( /* a query's value of 16 dims */
-        _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-        _mm512_set1_epi32(QUERIES));
+    const __m512i column = strided16(QUERIES); /* a query's value of 16 dims */
     for (int64_t i = 0; i < n; i++) {
         float *row = a->out + (first_row + first + i) * a->out_rs + h * dim;
         for (int d = 0; d < dim; d += 16)

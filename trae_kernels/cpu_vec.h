@@ -48,6 +48,12 @@ static inline void store16_rounded(bf16 *p, __m512 rounded) {
 }
 static inline void store16_bf16(bf16 *p, __m512 x) { store16_rounded(p, round_bf16_16(x)); }
 
+/* Gather and scatter offsets of 16 elements ``stride`` apart: 0, stride, ..., 15 stride */
+static inline __m512i strided16(int32_t stride) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    return _mm512_mullo_epi32(lanes, _mm512_set1_epi32(stride));
+}
+
 static inline __m512 exp16(__m512 x) { /* x <= 0: a score minus the running maximum */
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
     __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));

@@ -343,11 +343,13 @@ int32_t onednn_linear(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out,
     int32_t done = 1;
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
     if (amx && weight->blocked && dtype == codes[1] && rows >= 1 && rows <= ROWS && k <= MAX_K)
-        done = own_rows(x, rows, k, x_rs, out, n, dtype, 2, weight, bias, tiles_run, TILE_WAYS, 1);
+        done = own_rows(x, rows, k, x_rs, out, n, dtype, sizes_of[1], weight, bias, tiles_run,
+                        TILE_WAYS, sizeof TILE_WAYS / sizeof *TILE_WAYS);
 #endif
 #if defined(__AVX512F__)
     if (weight->blocked && dtype == codes[0] && rows >= 1 && rows <= F32_ROWS)
-        done = own_rows(x, rows, k, x_rs, out, n, dtype, 4, weight, bias, panels_run, K_BLOCKS, 2);
+        done = own_rows(x, rows, k, x_rs, out, n, dtype, sizes_of[0], weight, bias, panels_run,
+                        K_BLOCKS, sizeof K_BLOCKS / sizeof *K_BLOCKS);
 #endif
     if (done != 1) return done;
     return call_op(x, rows, k, x_rs, out, n, dtype, weight, bias);
