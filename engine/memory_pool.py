@@ -190,9 +190,10 @@ class MemoryPool:
         return n <= self.num_free
 
     def allocate(self, owner: str, n: int, zero: bool = False) -> list[int] | None:
-        """``zero``: clear the pages first. Attention reads whole pages and masks the
-        unused tail; stale bytes of another model's layout could be NaN there, and
-        a masked NaN still poisons the weighted sum."""
+        """``zero``: clear the pages first, for an attention backend that reads whole
+        pages and masks the unused tail (``AttentionBackend.needs_zeroed_pages``): stale
+        bytes of another model's layout could be NaN there, and a masked NaN still
+        poisons the weighted sum."""
         if n > self.num_free:
             return None
         pages = []

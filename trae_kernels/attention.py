@@ -193,6 +193,19 @@ def store_kv(
     v_cache[pages, offsets] = value
 
 
+def gather_pages(cache, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Each row's pages ``tables`` [S, W] gathered whole, [S, W * tokens_per_page, kv_heads,
+    dim] (dequantized from a ``QuantKV``), with every slot at or past the row's length
+    ``lens`` [S] zeroed. Those slots (a last page's tail, the table's padding, which points at
+    page 0) hold whatever their page held before, NaN in another model's layout, and a masked
+    NaN still poisons SDPA's weighted sum: cleared here, the pool hands out pages uncleared."""
+    rows, width = tables.shape
+    keys = width * cache.shape[1]
+    x = cache.index_select(0, tables.reshape(-1)).view(rows, keys, *cache.shape[2:])
+    stale = torch.arange(keys, device=lens.device)[None, :] >= lens[:, None]
+    return x.masked_fill_(stale[:, :, None, None].to(x.device), 0)
+
+
 def gather_kv(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """[n_pages] page ids → [n_pages * tokens_per_page, kv_heads, dim], whole pages at once
     (dequantized from a ``QuantKV``)."""
@@ -262,14 +275,8 @@ def paged_attention(
             return o
         out[:nd] = o
     elif nd:
-        n_pages = batch.block_tables.shape[1]
-        tables = batch.block_tables[:nd].reshape(-1)
-        k = k_cache.index_select(0, tables).view(
-            nd, n_pages * batch.tokens_per_page, *k_cache.shape[2:]
-        )
-        v = v_cache.index_select(0, tables).view(
-            nd, n_pages * batch.tokens_per_page, *v_cache.shape[2:]
-        )
+        tables, lens = batch.block_tables[:nd], batch.context_lens_t[:nd]
+        k, v = gather_pages(k_cache, tables, lens), gather_pages(v_cache, tables, lens)
         bias = batch.decode_bias(sliding_window, query.dtype)
         o = decode_attention(query[:nd], k, v, bias, scale)
         if out is None:
@@ -337,10 +344,8 @@ def _prefill_padded(query, k_cache, v_cache, batch, plan, scale, window, gqa, ou
     """Every prefill chunk of the step in one SDPA call, padded to the longest chunk
     and context: one call per layer instead of one per sequence."""
     tables, rows, keep, mask = plan
-    n_seqs, n_pages = tables.shape
-    width = n_pages * batch.tokens_per_page
-    k = k_cache.index_select(0, tables.reshape(-1)).view(n_seqs, width, *k_cache.shape[2:])
-    v = v_cache.index_select(0, tables.reshape(-1)).view(n_seqs, width, *v_cache.shape[2:])
+    lens = batch.context_lens_t[batch.num_decodes :]
+    k, v = gather_pages(k_cache, tables, lens), gather_pages(v_cache, tables, lens)
     q = query.index_select(0, rows.reshape(-1)).view(*rows.shape, *query.shape[1:])
     if zen_attention.supports(q, k):
         bias = batch.additive_mask(("prefill", window), mask, q.dtype)
@@ -521,8 +526,8 @@ def graph_decode(
     v_cache[pages, offsets] = torch.where(keep, value[src], v_cache[pages, offsets])
 
     width = block_tables.shape[1] * page_size
-    k = k_cache.index_select(0, block_tables.reshape(-1)).view(rows, width, *k_cache.shape[2:])
-    v = v_cache.index_select(0, block_tables.reshape(-1)).view(rows, width, *v_cache.shape[2:])
+    k = gather_pages(k_cache, block_tables, context_lens)
+    v = gather_pages(v_cache, block_tables, context_lens)
     pos = torch.arange(width, device=query.device)
     mask = pos[None, :] < context_lens[:, None]
     if sliding_window is not None:

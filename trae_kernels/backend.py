@@ -18,9 +18,12 @@ class AttentionBackend:
     name: str
     store_kv: Callable
     paged_attention: Callable
-    # The torch kernel reads whole pages and masks the unused tail, so stale bytes (NaN
-    # in another model's layout) must be cleared when a page is handed out; the Triton
-    # kernels never load a slot past a sequence's length (tested with NaN there).
+    # Whether a page must be cleared when it is handed out: a kernel that reads whole pages
+    # and masks the unused tail multiplies stale bytes (NaN in another model's layout) by a
+    # zero weight, and 0 x NaN is NaN. flash-attn's paged kernels do; the Triton kernels and
+    # the CPU native ones never load a slot past a sequence's length, and the torch
+    # reference zeroes those slots in its gathered copy (attention.gather_pages); each is
+    # tested over pages full of NaN.
     needs_zeroed_pages: bool = True
     # kv_cache_dtype values (besides "auto") its kernels read and write
     kv_dtypes: tuple[str, ...] = ("int8", "fp8")
@@ -56,7 +59,11 @@ def has_fp8(device: torch.device) -> bool:
 
 def _torch_backend() -> AttentionBackend:
     return AttentionBackend(
-        "torch", reference.store_kv, reference.paged_attention, graph_decode=reference.graph_decode
+        "torch",
+        reference.store_kv,
+        reference.paged_attention,
+        needs_zeroed_pages=False,
+        graph_decode=reference.graph_decode,
     )
 
 

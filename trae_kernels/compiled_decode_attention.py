@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from trae_groups.kernels import cpu_native
-from trae_groups.kernels.attention import decode_attention
+from trae_groups.kernels.attention import decode_attention, gather_pages
 
 
 def decode_mask(context_lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor:
@@ -63,14 +63,11 @@ def compiled_decode_attention(
             window or None,
         )  # fmt: skip
         return out
-    kv_shape = k_cache.shape[2:]
     pages, offsets = slot_pages[:n], slot_offsets[:n]
     k_cache.index_put_((pages, offsets), key[:n])
     v_cache.index_put_((pages, offsets), value[:n])
-    pages = block_tables[:n].reshape(-1)
-    keys = block_tables.shape[1] * k_cache.shape[1]
-    k = k_cache.index_select(0, pages).view(n, keys, *kv_shape)
-    v = v_cache.index_select(0, pages).view(n, keys, *kv_shape)
+    k = gather_pages(k_cache, block_tables[:n], context_lens[:n])
+    v = gather_pages(v_cache, block_tables[:n], context_lens[:n])
     # the reference kernel's own decode attention (trae_kernels/attention.py), the same bias
     bias = torch.zeros(mask[:n].shape, dtype=query.dtype).masked_fill_(~mask[:n], float("-inf"))
     out[:n] = decode_attention(query[:n], k, v, bias, scale)
