@@ -145,6 +145,21 @@ def test_silu_mul_gives_torchs_bits(rows):
 
 
 @needs_pointwise
+def test_silu_mul_gives_torchs_bits_for_subnormal_results():
+    """Gates whose SiLU, and products, fall below float32's smallest normal: AVX512-BF16's
+    conversion would flush them to zero, so those vectors take the integer rounding."""
+    import torch.nn.functional as F
+
+    gate = torch.tensor([-95.0, -100.0, -90.0, 1e-20, -1e-30, 3e-38, 2.0, -3.0] * 4)
+    up = torch.tensor([1.0, 0.5, 1e-3, 1e-20, 1e-10, 0.25, 1e-39, 5e-39] * 4)
+    gate_up = torch.cat([gate, up])[None].bfloat16()
+    want = F.silu(gate_up[:, :32]).mul_(gate_up[:, 32:])
+    assert (want.float().abs() < torch.finfo(torch.float32).tiny).any()  # some subnormal
+    got = cpu_native.silu_mul(gate_up, 32)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # the same bits
+
+
+@needs_pointwise
 @pytest.mark.parametrize("tokens", [0, 1, 5, 300])
 def test_rotate_gives_the_torch_rotations_bits_on_a_strided_view(tokens):
     from trae_groups.engine.flat_forward import _signed_sin

@@ -479,7 +479,7 @@ void silu_mul_bf16(const bf16 *gu, int64_t rows, int64_t gu_rs, int64_t n, bf16 
             __m512 den = _mm512_add_ps(one, exp16_full(neg));
             __m512 s = round_bf16_16(_mm512_div_ps(x, den));
             __m512 p = _mm512_mul_ps(s, load16_bf16(u + i));
-            store16_rounded(o + i, round_bf16_16(p));
+            store16_bf16(o + i, p);
         }
     }
 }
@@ -560,7 +560,7 @@ void rotate_bf16(const bf16 *x_, int64_t tokens, int64_t x_rs, int64_t heads, in
                 int64_t j = i < half ? i + half : i - half;
                 __m512 a = round_bf16_16(_mm512_mul_ps(load16_bf16(x + i), load16_bf16(c + i)));
                 __m512 b = _mm512_mul_ps(load16_bf16(x + j), load16_bf16(s + i));
-                store16_rounded(o + i, round_bf16_16(_mm512_add_ps(a, b)));
+                store16_bf16(o + i, _mm512_add_ps(a, b));
             }
         }
     }
