@@ -257,7 +257,8 @@ static void attend_block(const Args *a, const Chunk *c, int64_t h, int64_t qb, i
             __m512 e[2];
             for (int u = 0; u < 2; u++) {
                 const __m512 x = _mm512_load_ps(s + (j + u) * TILE);
-                e[u] = _mm512_maskz_mov_ps(seen[j + u], exp2_16(_mm512_fmsub_ps(x, scale, ref)));
+                const __m512 t = _mm512_fmsub_ps(x, scale, ref);
+                e[u] = _mm512_maskz_mov_ps(seen[j + u], exp2_16(t));
                 total = _mm512_add_ps(total, e[u]);
             }
             const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e[1], e[0]);

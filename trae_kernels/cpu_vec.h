@@ -8,9 +8,11 @@
 typedef uint16_t bf16;
 
 static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 widen16_bf16(__m256i h) { /* 16 bf16 as float32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
 static inline __m512 load16_bf16(const bf16 *p) {
-    __m256i half = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    return widen16_bf16(_mm256_loadu_si256((const __m256i *)p));
 }
 static inline void store16_f32(float *p, __m512 x) { _mm512_storeu_ps(p, x); }
 /* 32 values of a row as two float32 vectors, for sums kept per value (a weighted sum of V):
@@ -43,9 +45,6 @@ static inline __m512 round_bf16_int(__m512 x) {
                              _mm512_set1_epi32(0x00400000));
     return _mm512_castsi512_ps(r);
 }
-static inline __m256i pack16_rounded(__m512 rounded) { /* the upper halves of rounded floats */
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16));
-}
 /* 16 floats as bf16 with f32_to_bf16's bits: on a CPU with AVX512-BF16 by its conversion, one
  * instruction for ~10 (the SiLU-and-product of a 2,048-row SmolLM2 step 1.07 -> 0.83 ms);
  * it flushes float32 subnormals to zero, so a vector holding one takes the integer rounding */
@@ -54,19 +53,18 @@ static inline __m256i bf16_of16(__m512 x) {
     if (__builtin_expect(!_mm512_fpclass_ps_mask(x, 0x20), 1))
         return (__m256i)_mm512_cvtneps_pbh(x);
 #endif
-    return pack16_rounded(round_bf16_int(x));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_int(x)), 16));
 }
 static inline __m512 round_bf16_16(__m512 x) { /* f32_to_bf16's rounding, kept as float32 */
 #if defined(__AVX512BF16__)
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_of16(x)), 16));
+    return widen16_bf16(bf16_of16(x));
 #else
     return round_bf16_int(x);
 #endif
 }
-static inline void store16_rounded(bf16 *p, __m512 rounded) {
-    _mm256_storeu_si256((__m256i *)p, pack16_rounded(rounded));
+static inline void store16_bf16(bf16 *p, __m512 x) {
+    _mm256_storeu_si256((__m256i *)p, bf16_of16(x));
 }
-static inline void store16_bf16(bf16 *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, bf16_of16(x)); }
 
 /* Gather and scatter offsets of 16 elements ``stride`` apart: 0, stride, ..., 15 stride */
 static inline __m512i strided16(int32_t stride) {
