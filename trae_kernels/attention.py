@@ -193,23 +193,29 @@ def store_kv(
     v_cache[pages, offsets] = value
 
 
-def gather_pages(cache, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """Each row's pages ``tables`` [S, W] gathered whole, [S, W * tokens_per_page, kv_heads,
-    dim] (dequantized from a ``QuantKV``), with every slot at or past the row's length
-    ``lens`` [S] zeroed. Those slots (a last page's tail, the table's padding, which points at
-    page 0) hold whatever their page held before, NaN in another model's layout, and a masked
-    NaN still poisons SDPA's weighted sum: cleared here, the pool hands out pages uncleared."""
-    rows, width = tables.shape
-    keys = width * cache.shape[1]
-    x = cache.index_select(0, tables.reshape(-1)).view(rows, keys, *cache.shape[2:])
-    stale = torch.arange(keys, device=lens.device)[None, :] >= lens[:, None]
-    return x.masked_fill_(stale[:, :, None, None].to(x.device), 0)
-
-
 def gather_kv(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """[n_pages] page ids → [n_pages * tokens_per_page, kv_heads, dim], whole pages at once
     (dequantized from a ``QuantKV``)."""
     return cache.index_select(0, pages).flatten(0, 1)
+
+
+def gather_pages(
+    k_cache, v_cache, tables: torch.Tensor, lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's pages ``tables`` [S, W] of both caches gathered whole (``gather_kv``), K and
+    V [S, W * tokens_per_page, kv_heads, dim], with every slot at or past the row's length
+    ``lens`` [S] zeroed. Those slots (a last page's tail, the table's padding, which points at
+    page 0) hold whatever their page held before, NaN in another model's layout, and a masked
+    NaN still poisons SDPA's weighted sum: cleared here, the pool hands out pages uncleared."""
+    rows, width = tables.shape
+    keys = width * k_cache.shape[1]
+    stale = torch.arange(keys, device=lens.device)[None, :] >= lens[:, None]
+    stale = stale[:, :, None, None].to(k_cache.device)
+    pages = tables.reshape(-1)
+    return tuple(
+        gather_kv(cache, pages).view(rows, keys, *cache.shape[2:]).masked_fill_(stale, 0)
+        for cache in (k_cache, v_cache)
+    )
 
 
 def _prefill_mask(
@@ -276,7 +282,7 @@ def paged_attention(
         out[:nd] = o
     elif nd:
         tables, lens = batch.block_tables[:nd], batch.context_lens_t[:nd]
-        k, v = gather_pages(k_cache, tables, lens), gather_pages(v_cache, tables, lens)
+        k, v = gather_pages(k_cache, v_cache, tables, lens)
         bias = batch.decode_bias(sliding_window, query.dtype)
         o = decode_attention(query[:nd], k, v, bias, scale)
         if out is None:
@@ -345,7 +351,7 @@ def _prefill_padded(query, k_cache, v_cache, batch, plan, scale, window, gqa, ou
     and context: one call per layer instead of one per sequence."""
     tables, rows, keep, mask = plan
     lens = batch.context_lens_t[batch.num_decodes :]
-    k, v = gather_pages(k_cache, tables, lens), gather_pages(v_cache, tables, lens)
+    k, v = gather_pages(k_cache, v_cache, tables, lens)
     q = query.index_select(0, rows.reshape(-1)).view(*rows.shape, *query.shape[1:])
     if zen_attention.supports(q, k):
         bias = batch.additive_mask(("prefill", window), mask, q.dtype)
@@ -526,8 +532,7 @@ def graph_decode(
     v_cache[pages, offsets] = torch.where(keep, value[src], v_cache[pages, offsets])
 
     width = block_tables.shape[1] * page_size
-    k = gather_pages(k_cache, block_tables, context_lens)
-    v = gather_pages(v_cache, block_tables, context_lens)
+    k, v = gather_pages(k_cache, v_cache, block_tables, context_lens)
     pos = torch.arange(width, device=query.device)
     mask = pos[None, :] < context_lens[:, None]
     if sliding_window is not None:

@@ -66,8 +66,7 @@ def compiled_decode_attention(
     pages, offsets = slot_pages[:n], slot_offsets[:n]
     k_cache.index_put_((pages, offsets), key[:n])
     v_cache.index_put_((pages, offsets), value[:n])
-    k = gather_pages(k_cache, block_tables[:n], context_lens[:n])
-    v = gather_pages(v_cache, block_tables[:n], context_lens[:n])
+    k, v = gather_pages(k_cache, v_cache, block_tables[:n], context_lens[:n])
     # the reference kernel's own decode attention (trae_kernels/attention.py), the same bias
     bias = torch.zeros(mask[:n].shape, dtype=query.dtype).masked_fill_(~mask[:n], float("-inf"))
     out[:n] = decode_attention(query[:n], k, v, bias, scale)
