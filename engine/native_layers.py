@@ -9,7 +9,8 @@ batch 1 (SmolLM2-135M, bf16, Zen 4; docs/performance.md).
 It takes a step when: the linears are bf16 or float32, all packed by zentorch or all by
 oneDNN (zentorch's norms beside them), no LoRA row is in the step and no linear is wrapped,
 no linear would take its float32 path for many rows (``fast_linear.UPCAST_ROWS``), the K/V
-pages have the linears' dtype, head size and MLP width fit the AVX-512 rotation and SiLU kernels, and the step's
+pages have the linears' dtype, head size and MLP width fit the rotation and SiLU kernels
+(AVX-512 builds: bf16 and float32; AVX2 builds: float32), and the step's
 attention is the native paged kernel's for every row (``attention.native_rows``: decodes and
 short prompt chunks).
 Any other step runs the Python loop in ``FlatForward.forward``.

@@ -120,7 +120,11 @@ def test_environment_switch_turns_them_off():
 
 needs_pointwise = pytest.mark.skipif(
     not cpu_native.pointwise(torch.zeros(1, dtype=torch.bfloat16)),
-    reason="the native pointwise kernels are built for AVX-512 only",
+    reason="the native bf16 pointwise kernels are built for AVX-512 only",
+)
+needs_pointwise_f32 = pytest.mark.skipif(
+    not cpu_native.pointwise(torch.zeros(1)),
+    reason="the native float32 pointwise kernels are built for AVX-512 and AVX2 only",
 )
 
 
@@ -174,7 +178,7 @@ def test_rotate_gives_the_torch_rotations_bits_on_a_strided_view(tokens):
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
-@needs_pointwise
+@needs_pointwise_f32
 @pytest.mark.parametrize("rows", [0, 1, 7, 33, 300])
 def test_float32_silu_mul_is_torchs_within_its_exp(rows):
     """float32 has no rounding to hide a last-bit difference: the kernel's exp is its own
@@ -188,7 +192,7 @@ def test_float32_silu_mul_is_torchs_within_its_exp(rows):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30, equal_nan=True)
 
 
-@needs_pointwise
+@needs_pointwise_f32
 @pytest.mark.parametrize("tokens", [0, 1, 5, 300])
 def test_float32_rotate_is_two_products_and_a_sum(tokens):
     from trae_groups.engine.flat_forward import _signed_sin
@@ -226,8 +230,10 @@ def test_argmax_gives_torchs_indices(rows, n, dtype):
     assert torch.equal(cpu_native.argmax(x.contiguous()), x.argmax(-1))
 
 
-@needs_pointwise
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [pytest.param(torch.float32, marks=needs_pointwise_f32),
+              pytest.param(torch.bfloat16, marks=needs_pointwise)]
+)  # fmt: skip
 @pytest.mark.parametrize("tokens", [0, 1, 33])
 def test_head_norms_are_qwen3s_rmsnorm_on_the_fused_output(tokens, dtype):
     """transformers' Qwen3RMSNorm per head (normalized, rounded to the dtype, weighted), read in

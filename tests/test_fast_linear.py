@@ -279,22 +279,25 @@ def test_zentorch_bf16_linear_matches_a_float32_reference():
 
 
 @pytest.mark.parametrize(
-    ("choice", "vendor", "installed", "want"),
+    ("choice", "vendor", "installed", "avx2_panels", "want"),
     [
-        ("auto", "AuthenticAMD", True, "zentorch"),
-        ("auto", "GenuineIntel", True, "onednn"),
-        ("auto", "AuthenticAMD", False, "onednn"),
-        ("onednn", "AuthenticAMD", True, "onednn"),
-        ("zentorch", "GenuineIntel", True, "zentorch"),
-        ("zentorch", "AuthenticAMD", False, ValueError),
-        ("mkl", "AuthenticAMD", True, ValueError),
+        ("auto", "AuthenticAMD", True, False, "zentorch"),
+        ("auto", "AuthenticAMD", True, True, "onednn"),  # AVX2 only: our panels on oneDNN's
+        ("auto", "GenuineIntel", True, False, "onednn"),
+        ("auto", "AuthenticAMD", False, False, "onednn"),
+        ("onednn", "AuthenticAMD", True, False, "onednn"),
+        ("zentorch", "GenuineIntel", True, False, "zentorch"),
+        ("zentorch", "AuthenticAMD", True, True, "zentorch"),
+        ("zentorch", "AuthenticAMD", False, False, ValueError),
+        ("mkl", "AuthenticAMD", True, False, ValueError),
     ],
 )
 def test_linear_library_is_chosen_by_cpu_and_what_is_installed(
-    monkeypatch, choice, vendor, installed, want
+    monkeypatch, choice, vendor, installed, avx2_panels, want
 ):
     monkeypatch.setattr(fast_linear, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(fast_linear, "zentorch_available", lambda: installed)
+    monkeypatch.setattr(fast_linear, "_avx2_panels", lambda: avx2_panels)
     if want is ValueError:
         with pytest.raises(ValueError, match="linear_library"):
             linear_library(choice)

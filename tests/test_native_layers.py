@@ -1,7 +1,8 @@
 """The flat forward's layer stack in one native call (trae_kernels/zen_layers.py) gives the
 Python loop's bits: the same kernels with the same arguments, from C. Where it runs (bf16 or
-float32 weights packed for zentorch or oneDNN, the AVX-512 kernels built) every family's steps
-are compared logit for logit with the loop in both dtypes and with both linear libraries, and
+float32 weights packed for zentorch or oneDNN, the AVX-512 kernels built, or float32 with the
+AVX2 ones) every family's steps are compared logit for logit with the loop in each dtype it
+takes and with both linear libraries, and
 a generation token for token and logprob for logprob."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from trae_groups.engine.sampling import SamplingParams
 from trae_groups.kernels import attention, zen_layers
 
 pytestmark = pytest.mark.skipif(
-    zen_layers.library() is None, reason="needs zentorch's shims and the AVX-512 kernels"
+    zen_layers.library() is None, reason="needs zentorch's shims and the AVX-512 or AVX2 kernels"
 )
 # head size 64 and an MLP width of 16s: what the native rotation and SiLU take
 WIDE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
@@ -83,7 +84,18 @@ def _start(worker, prompts, gen):
         worker.submit(GenerateRequest(f"r{n}-{i}", params, prompt=tuple(prompt)), lambda o: None)
 
 
-DTYPES = ("bfloat16", "float32")
+def _loop_takes(dtype: str) -> bool:
+    return (
+        zen_layers.library() is not None and zen_layers.step_kind(getattr(torch, dtype)) is not None
+    )
+
+
+# bf16's kernels are built for AVX-512 only; an AVX2 build's loop takes float32
+DTYPES = [
+    pytest.param(d, marks=pytest.mark.skipif(not _loop_takes(d), reason=f"no {d} loop here"))
+    for d in ("bfloat16", "float32")
+]
+LOOP_DTYPE = "bfloat16" if _loop_takes("bfloat16") else "float32"  # the single-dtype tests'
 
 
 @pytest.mark.parametrize("library", ["zentorch", "onednn"])
@@ -166,7 +178,7 @@ def test_unpacked_linears_keep_the_python_loop_and_model_info_says_which(wide_ll
     counted = Counted(monkeypatch)
     paths = {}
     for fast in (True, False):
-        with engine({"m": wide_llms["llama"]}, dtype="bfloat16", fast_linear=fast) as eng:
+        with engine({"m": wide_llms["llama"]}, dtype=LOOP_DTYPE, fast_linear=fast) as eng:
             calls = counted.calls
             eng.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))
             paths[fast] = (forward_path(eng.llms["m"].runner.model), counted.calls > calls)
@@ -192,7 +204,7 @@ def test_a_failed_native_step_runs_again_in_python_and_the_model_keeps_python(
     def fails(*args):
         raise RuntimeError("a native decoder layer failed (kernel error 1)")
 
-    with stepped(wide_llms["qwen3"]) as worker:
+    with stepped(wide_llms["qwen3"], dtype=LOOP_DTYPE) as worker:
         _start(worker, [20, 9], torch.Generator().manual_seed(5))
         for _ in range(3):
             worker.step()

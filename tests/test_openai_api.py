@@ -235,7 +235,10 @@ def test_leaving_a_stream_early_aborts_and_frees_pages(client, server, target):
     generated = worker.counters.generated
     messages = [{"role": "user", "content": "Once upon a time"}]
     with client.chat.completions.create(
-        model=target, messages=messages, max_tokens=900, stream=True,
+        model=target,
+        messages=messages,
+        max_tokens=900,
+        stream=True,
         extra_body={"ignore_eos": True},
     ) as stream:
         for chunk in stream:

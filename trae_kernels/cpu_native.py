@@ -131,21 +131,21 @@ def _declare(lib: ctypes.CDLL) -> None:
             + [ctypes.c_float, _i64, _ptr, _i64, ctypes.c_int]
         )
         decode.restype = None
-    if hasattr(lib, "silu_mul_bf16"):  # AVX-512 builds
-        for suffix in _SUFFIX.values():
-            silu = getattr(lib, f"silu_mul_{suffix}")
-            silu.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, ctypes.c_int]
-            silu.restype = None
-            rotate = getattr(lib, f"rotate_{suffix}")
-            rotate.argtypes = [_ptr, *[_i64] * 4, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
-            rotate.restype = None
-        for suffix in _SUFFIX.values():
-            norms = getattr(lib, f"head_norms_{suffix}")
-            norms.argtypes = [_ptr, *[_i64] * 4, _ptr, ctypes.c_double, _ptr, ctypes.c_int]
-            norms.restype = None
-            pick = getattr(lib, f"argmax_rows_{suffix}")
-            pick.argtypes = [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
-            pick.restype = None
+    for suffix in _SUFFIX.values():  # AVX-512 builds: both; AVX2 builds: float32's
+        if not hasattr(lib, f"silu_mul_{suffix}"):
+            continue
+        silu = getattr(lib, f"silu_mul_{suffix}")
+        silu.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, ctypes.c_int]
+        silu.restype = None
+        rotate = getattr(lib, f"rotate_{suffix}")
+        rotate.argtypes = [_ptr, *[_i64] * 4, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
+        rotate.restype = None
+        norms = getattr(lib, f"head_norms_{suffix}")
+        norms.argtypes = [_ptr, *[_i64] * 4, _ptr, ctypes.c_double, _ptr, ctypes.c_int]
+        norms.restype = None
+        pick = getattr(lib, f"argmax_rows_{suffix}")
+        pick.argtypes = [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
+        pick.restype = None
 
 
 def library() -> ctypes.CDLL | None:
@@ -271,12 +271,12 @@ def suffix(dtype: torch.dtype) -> str:
 
 
 def pointwise(x: torch.Tensor) -> bool:
-    """Whether ``silu_mul`` and ``rotate`` take this CPU bf16 or float32 tensor (AVX-512
-    builds)."""
+    """Whether ``silu_mul``, ``rotate``, ``head_norms`` and ``argmax`` take this CPU tensor:
+    bf16 or float32 in AVX-512 builds, float32 in AVX2 builds."""
     if x.dtype not in _SUFFIX or x.device.type != "cpu" or torch.compiler.is_compiling():
         return False
     lib = library()
-    return lib is not None and hasattr(lib, "silu_mul_bf16")
+    return lib is not None and hasattr(lib, f"silu_mul_{_SUFFIX[x.dtype]}")
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -652,4 +652,139 @@ DEFINE_HEAD_NORMS(bf16)
     }
 DEFINE_ARGMAX(f32)
 DEFINE_ARGMAX(bf16)
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The float32 pointwise steps with AVX2 and FMA only (an EPYC of the Zen 3 generation): the
+ * AVX-512 kernels' arithmetic on 8 lanes, the same values but for the order of a sum of
+ * squares. No bf16 twins: without AVX512-BF16 `dtype: auto` serves float32, and a bf16 step
+ * keeps torch's ops (and the Python layer loop). */
+
+/* exp16_f32 on 8 lanes: Cody-Waite and Taylor alike; 2^n (n from -150 to 128) as the product
+ * of two powers made from exponent bits, which rounds once, where scalef rounds */
+static inline __m256 exp8_f32(__m256 x) {
+    const __m256 big = _mm256_set1_ps(88.7f);
+    const __m256 over = _mm256_cmp_ps(x, big, _CMP_GT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, big), _mm256_set1_ps(-104.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    const __m256 b = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+    const __m256 e = _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+    return _mm256_blendv_ps(e, _mm256_set1_ps(__builtin_inff()), over);
+}
+
+void silu_mul_f32(const float *gu, int64_t rows, int64_t gu_rs, int64_t n, float *out,
+                  int64_t out_rs, int threads) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+#pragma omp parallel for num_threads(threads) if (rows * n >= 32768) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * gu_rs, *u = g + n;
+        float *o = out + r * out_rs;
+        for (int64_t i = 0; i < n; i += 8) {
+            __m256 x = _mm256_loadu_ps(g + i);
+            __m256 den = _mm256_add_ps(one, exp8_f32(_mm256_sub_ps(_mm256_setzero_ps(), x)));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, den), _mm256_loadu_ps(u + i)));
+        }
+    }
+}
+
+void rotate_f32(const float *x_, int64_t tokens, int64_t x_rs, int64_t heads, int64_t dim,
+                const float *cos_, const float *ssin_, int64_t cs_rs, float *out, int threads) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= 32768) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_ + t * cs_rs, *s = ssin_ + t * cs_rs;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *x = x_ + t * x_rs + h * dim;
+            float *o = out + (t * heads + h) * dim;
+            for (int64_t i = 0; i < dim; i += 8) {
+                int64_t j = i < half ? i + half : i - half;
+                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(c + i));
+                __m256 b = _mm256_mul_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(s + i));
+                _mm256_storeu_ps(o + i, _mm256_add_ps(a, b));
+            }
+        }
+    }
+}
+
+void head_norms_f32(const float *x_, int64_t tokens, int64_t x_rs, int64_t heads, int64_t dim,
+                    const float *w, double eps, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= 32768) schedule(static)
+    for (int64_t t = 0; t < tokens; t++) {
+        for (int64_t h = 0; h < heads; h++) {
+            const float *x = x_ + t * x_rs + h * dim;
+            float *o = out + (t * heads + h) * dim;
+            __m256 sq = _mm256_setzero_ps();
+            for (int64_t i = 0; i < dim; i += 8) {
+                const __m256 v = _mm256_loadu_ps(x + i);
+                sq = _mm256_fmadd_ps(v, v, sq);
+            }
+            const float mean = hsum8(sq) / (float)dim;
+            const __m256 inv = _mm256_set1_ps(1.0f / __builtin_sqrtf(mean + (float)eps));
+            for (int64_t i = 0; i < dim; i += 8) {
+                const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + i), inv);
+                _mm256_storeu_ps(o + i, _mm256_mul_ps(y, _mm256_loadu_ps(w + h * dim + i)));
+            }
+        }
+    }
+}
+
+/* argmax_rows_f32 of the AVX-512 build on 8 lanes: the first index of a row's maximum, or of
+ * its first NaN */
+void argmax_rows_f32(const float *x, int64_t rows, int64_t rs, int64_t n, int64_t *out,
+                     int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * n >= 65536) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * rs;
+        __m256 top = _mm256_set1_ps(-__builtin_inff());
+        int nan = 0;
+        int64_t i = 0;
+        for (; i + 8 <= n && !nan; i += 8) {
+            const __m256 v = _mm256_loadu_ps(row + i);
+            nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            top = _mm256_max_ps(top, v);
+        }
+        float lanes[8], most = -__builtin_inff();
+        _mm256_storeu_ps(lanes, top);
+        for (int l = 0; l < 8; l++) most = lanes[l] > most ? lanes[l] : most;
+        int64_t at = -1;
+        if (nan) {
+            at = i - 8 + __builtin_ctz(nan);
+        } else {
+            for (int64_t j = i; j < n; j++) {
+                if (row[j] != row[j]) {
+                    at = j;
+                    break;
+                }
+                most = row[j] > most ? row[j] : most;
+            }
+        }
+        if (at < 0) {
+            const __m256 m = _mm256_set1_ps(most);
+            for (i = 0; i + 8 <= n; i += 8) {
+                const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), m,
+                                                                 _CMP_EQ_OQ));
+                if (hit) {
+                    at = i + __builtin_ctz(hit);
+                    break;
+                }
+            }
+            for (int64_t j = i; at < 0 && j < n; j++)
+                if (row[j] == most) at = j;
+        }
+        out[r] = at < 0 ? 0 : at;
+    }
+}
 #endif

@@ -1,7 +1,8 @@
 """The flat forward's layer stack in one native call (``zen_layers.c``), where every kernel of
 a layer has a C entry point: bf16 or float32 weights packed for zentorch (AMD) or oneDNN
-(Intel), zentorch's norms (its C shims loaded), K/V pages of the same dtype, our AVX-512 rotation and SiLU, and a step whose attention
-the native paged kernel runs for every row (decodes, and short prompt chunks beside them).
+(Intel), zentorch's norms (its C shims loaded), K/V pages of the same dtype, our rotation and
+SiLU (AVX-512 builds: bf16 and float32; AVX2 builds: float32), and a step whose attention the
+native paged kernel runs for every row (decodes, and short prompt chunks beside them).
 
 Why: the kernels of a SmolLM2 decode step are ~300 calls; from Python each costs 6-10 us of
 wrapper besides the glue between them (docs/performance.md). The C loop calls the same kernels
@@ -29,6 +30,7 @@ KINDS = (torch.bfloat16, torch.float32)  # Step.kind indexes this (``KINDS`` in 
 LIBRARIES = ("zentorch", "onednn")
 _i64, _ptr, _f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 
+_bound: set[torch.dtype] = set()  # the KINDS whose kernels this build has (bound at load)
 _switch = ThreadSwitch()
 turned_off = _switch.turned_off  # this thread runs the Python loop meanwhile (tests)
 
@@ -74,7 +76,7 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError(f"{ENV_SWITCH}=0")
     zen, native = zen_calls.library(), cpu_native.library()
     if zen is None or native is None or not hasattr(native, "silu_mul_f32"):
-        raise RuntimeError("needs zentorch's C shims and the AVX-512 build of cpu_paged.c")
+        raise RuntimeError("needs zentorch's C shims and an AVX-512 or AVX2 build of cpu_paged.c")
     lib = cpu_native.built(SOURCE)
     lib.layers_bind.argtypes = [_ptr]
     lib.layers_bind.restype = None
@@ -91,6 +93,9 @@ def _load() -> ctypes.CDLL:
     lib.layers_bind_kind.restype = ctypes.c_int32
     for kind, dtype in enumerate(KINDS):
         suffix = cpu_native.suffix(dtype)
+        if not hasattr(native, f"silu_mul_{suffix}"):  # AVX2 builds: float32 only
+            continue
+        _bound.add(dtype)
         rotate, store, silu, head_norms = (
             address(native, f"{n}_{suffix}")
             for n in ("rotate", "store_kv", "silu_mul", "head_norms")
@@ -119,7 +124,7 @@ def library() -> ctypes.CDLL | None:
 def step_kind(dtype: torch.dtype) -> tuple[int, int] | None:
     """(Step.kind, Step.elem) for activations of ``dtype``; None where the loop has no kernels
     for it."""
-    if dtype not in KINDS:
+    if dtype not in KINDS or _loaded.get() is None or dtype not in _bound:
         return None
     return KINDS.index(dtype), torch.empty((), dtype=dtype).element_size()
 
