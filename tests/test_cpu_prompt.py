@@ -1,4 +1,4 @@
-"""float32 prompt attention on AVX-512 (trae_kernels/cpu_prompt.c) against the dense oracle:
+"""float32 prompt attention on AVX-512 or AVX2 (trae_kernels/cpu_prompt.c) against the dense oracle:
 chunks over cached prefixes, GQA, sliding windows, head sizes 64 and 128, contexts ending
 inside a page whose stale slots hold NaN, a page-major pool's strided layer view; and a
 float32 model's prompt scores with and without it."""
@@ -19,7 +19,7 @@ from test_native_layers import WIDE
 from conftest import build_llm
 from trae_groups.kernels import cpu_prompt, naive_attention, paged_attention
 
-needs_kernel = pytest.mark.skipif(cpu_prompt.library() is None, reason="no AVX-512 build")
+needs_kernel = pytest.mark.skipif(cpu_prompt.library() is None, reason="no AVX-512 or AVX2 build")
 
 
 def _case(q_lens, ctx_lens, heads, kv_heads, dim, seed=0, page=16):

@@ -1,10 +1,10 @@
-"""Prompt attention over paged K/V in float32 on AVX-512 (``cpu_prompt.c``): a step's prompt
+"""Prompt attention over paged K/V in float32 on AVX-512 or AVX2 (``cpu_prompt.c``): a step's prompt
 chunks attend over their pages where they lie, computing only the scores the causal edge
 (and a window) leaves. bf16 chunks take the AMX kernel where the CPU has it (cpu_amx.py);
 ``call`` runs either with a step's chunks.
 
-Where it runs: an AVX-512 build of the kernel, float32 queries and pages, head size 64 or
-128. Elsewhere torch's flash kernel runs (attention._prefill_padded and friends).
+Where it runs: an AVX-512 build of the kernel (or an AVX2 and FMA one: 16 queries an item
+where AVX-512's takes 32), float32 queries and pages, head size 64 or 128. Elsewhere torch's flash kernel runs (attention._prefill_padded and friends).
 ``TRAE_NATIVE_PROMPTS=0`` turns it off. Built on first use like ``cpu_native``'s kernels.
 """
 
@@ -37,7 +37,7 @@ turned_off = _switch.turned_off  # this thread runs torch's kernel meanwhile (te
 def _load() -> ctypes.CDLL:
     lib = cpu_native.built(SOURCE, ENV_SWITCH)
     if not hasattr(lib, "prefill_attention_f32"):
-        raise RuntimeError("no AVX-512 on this CPU (or in this compiler)")
+        raise RuntimeError("no AVX-512 or AVX2 on this CPU (or in this compiler)")
     lib.prefill_attention_f32.argtypes = ARGTYPES
     lib.prefill_attention_f32.restype = ctypes.c_int
     return lib
