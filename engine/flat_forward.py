@@ -242,7 +242,7 @@ class FlatForward(nn.Module):
         cos, sin = cos[0, :, None, :], _signed_sin(sin[0, :, None, :])
         residual = hidden
         rms_norm, add_rms_norm = _norms_for(self.qkv[0])
-        self.zen_norms = rms_norm is _zen_rms_norm
+        self.zen_norms = rms_norm in (_zen_rms_norm, _native_rms_norm)  # the native loop's
         x = rms_norm(hidden, base.layers[0].input_layernorm)
         native = None if lora_active else self.native.run(self, attend, x, residual, cos, sin)
         if native is not None:
@@ -347,16 +347,32 @@ def _zen_add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Mod
     return hidden
 
 
+def _native_rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    out = cpu_native.rms_norm(x, norm.weight, norm.variance_epsilon)
+    return _rms_norm(x, norm) if out is None else out
+
+
+def _native_add_rms_norm(hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module):
+    """``_add_rms_norm`` in one pass of ours (AVX2 builds, float32), leaving the sum and the
+    norm where zentorch's fused op leaves them (the native loop binds the same kernel)."""
+    out = cpu_native.add_rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
+    return _add_rms_norm(hidden, residual, norm) if out is None else out
+
+
 def _norms_for(projection: nn.Module) -> tuple[Callable, Callable]:
-    """The RMSNorm pair beside these linears: zentorch's where the linears are packed (by
-    zentorch or oneDNN) and zentorch loads, torch's otherwise and while compiling (the eager
-    kernels are what was measured). zentorch's took 61 norms of a SmolLM2 step in 0.49 against
+    """The RMSNorm pair beside these linears: ours in float32 where the linears are packed and
+    the kernels are an AVX2 build's (cpu_native.norms: zentorch's took 5.6x their time at 2,048
+    rows on a Zen 3 EPYC), else zentorch's where the linears are packed (by zentorch or oneDNN)
+    and zentorch loads, torch's otherwise and while compiling (the eager kernels are what was
+    measured). zentorch's took 61 norms of a SmolLM2 step in 0.49 against
     1.53 ms at 1 row, 3.7 against 14.6 at 512 (bf16, Zen 4), and 0.32 against 0.84 ms at 2
     rows, 10 against 62 at 2,048 on an Intel Xeon with AMX (bench/zentorch_linear.py)."""
     from trae_groups.engine.fast_linear import PackedLinear, zentorch_available
 
-    zen = isinstance(projection, PackedLinear) and zentorch_available()
-    if zen and not torch.compiler.is_compiling():
+    packed = isinstance(projection, PackedLinear) and not torch.compiler.is_compiling()
+    if packed and cpu_native.norms(projection.dtype):  # ours, in AVX2 builds: see cpu_paged.c
+        return _native_rms_norm, _native_add_rms_norm
+    if packed and zentorch_available():
         return _zen_rms_norm, _zen_add_rms_norm
     return _rms_norm, _add_rms_norm
 

@@ -255,3 +255,27 @@ def test_head_norms_are_qwen3s_rmsnorm_on_the_fused_output(tokens, dtype):
     assert got.shape == want.shape and got.is_contiguous()
     ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22
     torch.testing.assert_close(got.float(), want.float(), rtol=2 * ulp, atol=1e-6)
+
+
+@pytest.mark.skipif(not cpu_native.norms(torch.float32), reason="our norms are AVX2 builds' only")
+@pytest.mark.parametrize("rows,dim", [(0, 64), (1, 576), (7, 100), (300, 576)])
+def test_float32_norms_are_llamas_rmsnorm_within_rounding(rows, dim):
+    """The add-and-norm leaves the sum in the residual and the norm in hidden's storage (as
+    zentorch's fused op does); both norms are transformers' LlamaRMSNorm within a few ulp (the
+    sum of squares adds in another order)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(rows + dim)
+    hidden, residual = (torch.randn(rows, dim, generator=g) * 3 for _ in range(2))
+    norm = LlamaRMSNorm(dim, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(dim, generator=g) + 0.5)
+        want_sum = residual + hidden
+        want = norm(want_sum)
+    got_residual = residual.clone()
+    got = cpu_native.add_rms_norm(hidden.clone(), got_residual, norm.weight.detach(), 1e-5)
+    assert torch.equal(got_residual, want_sum)  # the same sum, exactly
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-6)
+    alone = cpu_native.rms_norm(want_sum, norm.weight.detach(), 1e-5)
+    assert torch.equal(alone, got)  # the same kernel's norm either way
+    assert cpu_native.rms_norm(want_sum.bfloat16(), norm.weight.detach().bfloat16(), 1e-5) is None

@@ -146,6 +146,24 @@ def _declare(lib: ctypes.CDLL) -> None:
         pick = getattr(lib, f"argmax_rows_{suffix}")
         pick.argtypes = [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
         pick.restype = None
+    if hasattr(lib, "add_rms_norm_f32"):  # AVX2 builds (AVX-512 ones keep zentorch's norms)
+        lib.add_rms_norm_f32.argtypes = [
+            _ptr,
+            _ptr,
+            _i64,
+            _i64,
+            _ptr,
+            ctypes.c_double,
+            ctypes.c_int,
+        ]
+        lib.add_rms_norm_f32.restype = None
+        lib.rms_norm_f32.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, ctypes.c_double, ctypes.c_int]
+        lib.rms_norm_f32.restype = None
+        lib.norms_bind.argtypes = [ctypes.c_int32]
+        lib.norms_bind.restype = None
+        from trae_groups.kernels import torch_shim
+
+        lib.norms_bind(torch_shim.dtype_code(torch.float32))
 
 
 def library() -> ctypes.CDLL | None:
@@ -311,6 +329,51 @@ def head_norms(qk: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     if t:
         getattr(library(), f"head_norms_{_SUFFIX[qk.dtype]}")(
             qk.data_ptr(), t, qk.stride(0), heads, dim, weight.data_ptr(), eps, out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+def norms(dtype: torch.dtype) -> bool:
+    """Whether ``add_rms_norm`` and ``rms_norm`` take rows of ``dtype`` here (float32 in
+    AVX2 builds: the flat forward's norms there, and the native loop's)."""
+    lib = library()
+    return dtype == torch.float32 and lib is not None and hasattr(lib, "add_rms_norm_f32")
+
+
+def _norm_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.dim() == 2 and x.is_contiguous() and weight.is_contiguous()
+        and weight.dtype == x.dtype and weight.shape == (x.shape[1],)
+    )  # fmt: skip
+
+
+def add_rms_norm(
+    hidden: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor | None:
+    """``residual += hidden`` in place, then RMSNorm of it into ``hidden``'s storage (returned),
+    as zentorch's fused add-and-norm leaves them; None where the kernel does not take these."""
+    if not norms(hidden.dtype) or not _norm_rows(hidden, weight):
+        return None
+    if not residual.is_contiguous() or residual.shape != hidden.shape:
+        return None
+    if hidden.numel():
+        library().add_rms_norm_f32(
+            hidden.data_ptr(), residual.data_ptr(), hidden.shape[0], hidden.shape[1],
+            weight.data_ptr(), eps, torch.get_num_threads(),
+        )  # fmt: skip
+    return hidden
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of x's rows times ``weight`` (a new tensor); None where the kernel does not take
+    these."""
+    if not norms(x.dtype) or not _norm_rows(x, weight):
+        return None
+    out = torch.empty_like(x)
+    if x.numel():
+        library().rms_norm_f32(
+            x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps,
             torch.get_num_threads(),
         )  # fmt: skip
     return out

@@ -741,6 +741,62 @@ void head_norms_f32(const float *x_, int64_t tokens, int64_t x_rs, int64_t heads
     }
 }
 
+/* RMSNorm of float32 rows, as transformers' LlamaRMSNorm rounds it (x times rsqrt(mean of
+ * squares + eps), then times the weight), for AVX2 builds, where zentorch's fused add-and-norm
+ * took 2.95 against torch's add and norm 0.53 ms at 2,048 rows of 576 and 0.068 against 0.046
+ * at 32 (an EPYC of the Zen 3 generation). ``add_rms_norm_f32``: residual += hidden first, the
+ * norm into hidden; ``rms_norm_f32``: x's norm into out. The native layer loop binds the former
+ * through ``add_rms_norm_call`` (zentorch's signature) on these builds. */
+static inline void norm_row(const float *x, float *out, int64_t dim, const float *w, float eps) {
+    __m256 sq = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        sq = _mm256_fmadd_ps(v, v, sq);
+    }
+    float sum = hsum8(sq);
+    for (; i < dim; i++) sum += x[i] * x[i];
+    const float inv = 1.0f / __builtin_sqrtf(sum / (float)dim + eps);
+    const __m256 vinv = _mm256_set1_ps(inv);
+    for (i = 0; i + 8 <= dim; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv),
+                                                _mm256_loadu_ps(w + i)));
+    for (; i < dim; i++) out[i] = (x[i] * inv) * w[i];
+}
+
+void add_rms_norm_f32(float *hidden, float *residual, int64_t rows, int64_t dim, const float *w,
+                      double eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * dim >= 32768) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float *h = hidden + r * dim, *res = residual + r * dim;
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8)
+            _mm256_storeu_ps(res + i,
+                             _mm256_add_ps(_mm256_loadu_ps(res + i), _mm256_loadu_ps(h + i)));
+        for (; i < dim; i++) res[i] += h[i];
+        norm_row(res, h, dim, w, (float)eps);
+    }
+}
+
+void rms_norm_f32(const float *x, float *out, int64_t rows, int64_t dim, const float *w,
+                  double eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * dim >= 32768) schedule(static)
+    for (int64_t r = 0; r < rows; r++) norm_row(x + r * dim, out + r * dim, dim, w, (float)eps);
+}
+
+#include <omp.h>
+static int32_t norm_f32_code = -1; /* torch's shim code of float32 (norms_bind) */
+void norms_bind(int32_t f32_code) { norm_f32_code = f32_code; }
+
+/* add_rms_norm_f32 with zentorch's add-and-norm signature (the native loop's); -1 for a dtype
+ * other than float32 */
+int32_t add_rms_norm_call(void *hidden, void *residual, int64_t rows, int64_t dim,
+                          int32_t dtype, void *weight, double eps) {
+    if (dtype != norm_f32_code) return -1;
+    add_rms_norm_f32(hidden, residual, rows, dim, weight, eps, omp_get_max_threads());
+    return 0;
+}
+
 /* argmax_rows_f32 of the AVX-512 build on 8 lanes: the first index of a row's maximum, or of
  * its first NaN */
 void argmax_rows_f32(const float *x, int64_t rows, int64_t rs, int64_t n, int64_t *out,
