@@ -16,14 +16,22 @@ import pytest
 
 FIXTURE = "ray_cluster"
 _stops: list = []  # the running cluster's shutdown, called once after its last user
+# Modules with a test on the cluster: their other tests count as users too, since a module's
+# fixtures on the cluster (its deployed app) are torn down only after its last test.
+_modules: set[str] = set()
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 def _uses_cluster(item: pytest.Item | None) -> bool:
-    return item is not None and FIXTURE in getattr(item, "fixturenames", ())
+    return item is not None and _module(item) in _modules
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules on the cluster move to where the first of them was, in their order."""
+    _modules.update(_module(i) for i in items if FIXTURE in getattr(i, "fixturenames", ()))
     users = [item for item in items if _uses_cluster(item)]
     if not users:
         return

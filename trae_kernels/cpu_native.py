@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from trae_groups.kernels import torch_shim
 from trae_groups.kernels.thread_switch import ThreadSwitch
 
 log = logging.getLogger("trae_groups.kernels")
@@ -147,23 +148,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         pick.argtypes = [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
         pick.restype = None
     if hasattr(lib, "add_rms_norm_f32"):  # AVX2 builds (AVX-512 ones keep zentorch's norms)
-        lib.add_rms_norm_f32.argtypes = [
-            _ptr,
-            _ptr,
-            _i64,
-            _i64,
-            _ptr,
-            ctypes.c_double,
-            ctypes.c_int,
-        ]
-        lib.add_rms_norm_f32.restype = None
-        lib.rms_norm_f32.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, ctypes.c_double, ctypes.c_int]
-        lib.rms_norm_f32.restype = None
+        for norm in (lib.add_rms_norm_f32, lib.rms_norm_f32):
+            norm.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, ctypes.c_double, ctypes.c_int]
+            norm.restype = None
         lib.norms_bind.argtypes = [ctypes.c_int32]
         lib.norms_bind.restype = None
-        from trae_groups.kernels import torch_shim
-
-        lib.norms_bind(torch_shim.dtype_code(torch.float32))
+        lib.norms_bind(torch_shim.dtype_code(torch.float32))  # the native loop's dtype code
 
 
 def library() -> ctypes.CDLL | None:
