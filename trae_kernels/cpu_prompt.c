@@ -23,15 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX512F__
-#include "cpu_vec.h"
-
-#define LANES 16  /* query tokens per vector */
-#define QUERIES 32 /* query tokens per item: two vectors */
-#define KEYS 32   /* keys per softmax block */
-#define GROUP 8   /* keys whose scores are summed at once (accumulators in registers) */
-#define MAX_DIM 128
-
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 typedef struct {
     const float *query, *k_cache, *v_cache;
     int64_t q_rs, page_s, tok_s, head_s, page_size;
@@ -58,6 +50,16 @@ static inline void rows_of(const Args *a, const float *cache, const int64_t *tab
         }
     }
 }
+#endif
+
+#ifdef __AVX512F__
+#include "cpu_vec.h"
+
+#define LANES 16  /* query tokens per vector */
+#define QUERIES 32 /* query tokens per item: two vectors */
+#define KEYS 32   /* keys per softmax block */
+#define GROUP 8   /* keys whose scores are summed at once (accumulators in registers) */
+#define MAX_DIM 128
 
 /* S^T rows of n keys (their K rows) into s0[j] and s1[j] (the item's two vectors of queries;
  * n <= KEYS), GROUP keys at a time: each key's value loaded once serves both. */
@@ -201,39 +203,8 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
     }
 }
 
-/* Every chunk's rows of ``out`` (chunk c: rows first_row[c] .. + rows[c], the last rows of a
- * context of ctx[c] tokens whose pages are tables row table_row[c]). 0 on success, 1 where
- * the shapes are not this kernel's (nothing written). */
-int prefill_attention_f32(const float *query, int64_t q_rs, const float *k_cache,
-                          const float *v_cache, int64_t page_s, int64_t tok_s, int64_t head_s,
-                          int64_t page_size, const int64_t *tables, int64_t tab_s,
-                          const int64_t *table_row, const int64_t *first_row,
-                          const int64_t *rows, const int64_t *ctx, int64_t chunks,
-                          int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                          int64_t window, float *out, int64_t out_rs, int nthreads) {
-    if ((dim != 64 && dim != 128) || kv_heads <= 0 || heads % kv_heads) return 1;
-    int64_t *start = malloc((size_t)(chunks + 1) * sizeof(int64_t)); /* items before chunk c */
-    if (!start) return 1;
-    start[0] = 0;
-    for (int64_t c = 0; c < chunks; c++)
-        start[c + 1] = start[c] + heads * ((rows[c] + QUERIES - 1) / QUERIES);
-    const Args a = {query, k_cache, v_cache, q_rs, page_s, tok_s, head_s, page_size, tables,
-                    tab_s, heads, kv_heads, scale, window, out, out_rs};
-#pragma omp parallel for schedule(dynamic) num_threads(nthreads)
-    for (int64_t item = 0; item < start[chunks]; item++) {
-        int64_t c = 0;
-        while (item >= start[c + 1]) c++;
-        const int64_t blocks = (rows[c] + QUERIES - 1) / QUERIES, rest = item - start[c];
-        const int64_t h = rest / blocks, qb = blocks - 1 - rest % blocks; /* longest first */
-        if (dim == 64)
-            attend_lanes(&a, table_row[c], first_row[c], rows[c], ctx[c], h, qb, 64);
-        else
-            attend_lanes(&a, table_row[c], first_row[c], rows[c], ctx[c], h, qb, 128);
-    }
-    free(start);
-    return 0;
-}
 #elif defined(__AVX2__) && defined(__FMA__)
+#include "cpu_vec2.h"
 /* The same kernel with AVX2 and FMA only (an EPYC of the Zen 3 generation), where torch's
  * flash kernel took 6.6 of a 43 s float32 run of 32 x 512 prompts (SmolLM2, 64 new tokens):
  * 8 lanes, so an item is 16 queries (two vectors), a key's scores summed 4 keys at a time and
@@ -247,48 +218,6 @@ int prefill_attention_f32(const float *query, int64_t q_rs, const float *k_cache
 #define GROUP 4    /* keys whose scores are summed at once */
 #define DIMS 4     /* output dims whose sums stay in registers */
 #define MAX_DIM 128
-
-typedef struct {
-    const float *query, *k_cache, *v_cache;
-    int64_t q_rs, page_s, tok_s, head_s, page_size;
-    const int64_t *tables;
-    int64_t tab_s;
-    int64_t heads, kv_heads;
-    float scale;
-    int64_t window;
-    float *out;
-    int64_t out_rs;
-} Args;
-
-static inline void rows_of(const Args *a, const float *cache, const int64_t *table, int64_t k0,
-                           int64_t n, int64_t kh, const float **row) {
-    int64_t page = k0 / a->page_size, at = k0 % a->page_size;
-    const float *base = cache + table[page] * a->page_s + kh * a->head_s;
-    for (int64_t j = 0; j < n; j++) {
-        row[j] = base + at * a->tok_s;
-        if (++at == a->page_size && j + 1 < n) {
-            at = 0;
-            base = cache + table[++page] * a->page_s + kh * a->head_s;
-        }
-    }
-}
-
-static inline __m256 exp8(__m256 x) { /* x <= 0: a score minus the running maximum */
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.540353039338161e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.333355814642844e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i e =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 
 /* lanes (queries at positions pos) that see key k: k <= pos, and within the window */
 static inline __m256 sees(int64_t k, __m256i pos, int64_t window) {
@@ -443,6 +372,12 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
     }
 }
 
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* Every chunk's rows of ``out`` (chunk c: rows first_row[c] .. + rows[c], the last rows of a
+ * context of ctx[c] tokens whose pages are tables row table_row[c]). 0 on success, 1 where
+ * the shapes are not this kernel's (nothing written). */
 int prefill_attention_f32(const float *query, int64_t q_rs, const float *k_cache,
                           const float *v_cache, int64_t page_s, int64_t tok_s, int64_t head_s,
                           int64_t page_size, const int64_t *tables, int64_t tab_s,
