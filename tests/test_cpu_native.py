@@ -64,6 +64,30 @@ def test_many_decode_rows_one_item_each_match_dense(strided):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim,window", [(64, None), (48, 70), (128, None)])
+def test_a_row_gets_the_same_bits_in_a_batch_as_alone(dtype, dim, window):
+    # a batch of four rows a thread or more is split by rows (AVX2 builds take a row's every KV
+    # head in one pass), a smaller one by heads: a row's output must not depend on which, or
+    # greedy tokens would change with what else is in the batch
+    g = torch.Generator().manual_seed(dim)
+    rows, heads, kv_heads, page, pages_per = 4 * torch.get_num_threads() + 3, 9, 3, 16, 14
+    kc, vc = (
+        torch.randn(rows * pages_per, page, kv_heads, dim, generator=g).to(dtype) for _ in range(2)
+    )
+    tables = torch.randperm(rows * pages_per, generator=g).view(rows, pages_per)
+    row_seq = torch.arange(rows)
+    row_pos = torch.tensor([(0, 13, 64, 65, 200)[i % 5] + i for i in range(rows)])
+    q = torch.randn(rows, heads, dim, generator=g).to(dtype)
+    with cpu_amx.turned_off():
+        together = cpu_native.decode_attention(q, kc, vc, tables, row_seq, row_pos, 0.1, window)
+        for r in range(rows):
+            alone = cpu_native.decode_attention(
+                q[r : r + 1], kc, vc, tables, row_seq[r : r + 1], row_pos[r : r + 1], 0.1, window
+            )
+            assert torch.equal(alone[0], together[r]), r
+
+
 @pytest.mark.parametrize("dim", [64, 48])  # 48: an odd number of 16-lane vectors a row
 def test_decode_bf16_within_rounding_of_float32(dim):
     ctx_lens = [3, 40, 130]

@@ -111,7 +111,8 @@ static inline bf16 f32_to_bf16(float f) { /* round to nearest even, NaN kept NaN
          * cpu_amx.c's decode kernel splits its rows by this rule too */                    \
         const int64_t per_item = rows >= 4 * (int64_t)nthreads ? kv_heads : 1;              \
         _Pragma("omp parallel for schedule(dynamic) num_threads(nthreads)")                 \
-        for (int64_t item = 0; item < rows * kv_heads / per_item; item++)                   \
+        for (int64_t item = 0; item < rows * kv_heads / per_item; item++) {                 \
+        ROW_ITEM(T)                                                                          \
         for (int64_t at = item * per_item; at < (item + 1) * per_item; at++) {               \
             const int64_t r = at / kv_heads, kh = at % kv_heads;                             \
             const int64_t seq = row_seq[r], pos = row_pos[r];                                \
@@ -179,6 +180,7 @@ static inline bf16 f32_to_bf16(float f) { /* round to nearest even, NaN kept NaN
                 const float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;                  \
                 for (int64_t d = 0; d < dim; d++) STORE_##T(op, d, acc[g][d] * inv);         \
             }                                                                                \
+        }                                                                                    \
         }                                                                                    \
     }
 
@@ -330,9 +332,7 @@ static inline void store8_bf16(bf16 *p, __m256 x) {
                 }                                                                            \
             }                                                                                \
             for (int64_t g = 0; g < group; g++) {                                            \
-                float top = best[g];                                                         \
-                for (int64_t jj = 0; jj < n; jj++)                                           \
-                    top = score[g][jj] > top ? score[g][jj] : top;                           \
+                const float top = block_max8(score[g], n, best[g]);                          \
                 const float rescale = expf(best[g] - top); /* 0 on the first block */        \
                 const __m256 vtop = _mm256_set1_ps(top);                                     \
                 __m256 vsum = _mm256_setzero_ps();                                           \
@@ -372,6 +372,115 @@ static inline void store8_bf16(bf16 *p, __m256 x) {
             for (int c = 0; c < nd; c++) store8_##T(op + 8 * c, _mm256_mul_ps(acc[g][c], inv)); \
         }                                                                                    \
     }
+
+/* A row's every KV head at once (8 lanes): a key's K and V rows for all heads lie side by side
+ * in its page, so one pass streams them in order where a pass a head would read a third of
+ * each row's lines, three times over. Each head's sums are those of item256 (same order, same
+ * bits); only which head goes first changes. */
+#define ROW_VECTORS 256 /* query heads x 8-lane vectors of a head the row loop holds (8 KB) */
+#define ROW_HEADS 32
+#define ROW_AHEAD 8 /* keys whose whole K and V rows are fetched ahead */
+static inline void prefetch_row(const void *k_cache, const void *v_cache, const int64_t *table,
+                                int64_t j, int64_t page_size, int64_t page_s, int64_t tok_s,
+                                int64_t row_bytes, int64_t size) {
+    const int64_t at = key_offset(table, j, page_size, page_s, tok_s) * size;
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+        __builtin_prefetch((const char *)k_cache + at + b, 0, 3);
+        __builtin_prefetch((const char *)v_cache + at + b, 0, 3);
+    }
+}
+#define DEFINE_ROW256(T)                                                                     \
+    static inline __attribute__((always_inline)) void row256_##T(                            \
+        const T *query, int64_t q_rs, const T *k_cache, const T *v_cache, int64_t page_s,    \
+        int64_t tok_s, int64_t head_s, int64_t page_size, const int64_t *table, int64_t r,   \
+        int64_t kv_heads, int64_t lo, int64_t pos, int64_t group, const int nd, float scale, \
+        T *out, int64_t out_rs, int64_t dim) {                                               \
+        const int64_t nh = kv_heads * group, row_bytes = kv_heads * dim * (int64_t)sizeof(T); \
+        __m256 q[ROW_VECTORS], acc[ROW_VECTORS];                                             \
+        float best[ROW_HEADS], total[ROW_HEADS];                                             \
+        float score[ROW_HEADS][BLOCK] __attribute__((aligned(32)));                          \
+        const __m256 vscale = _mm256_set1_ps(scale);                                         \
+        for (int64_t h = 0; h < nh; h++) {                                                   \
+            const T *qp = query + r * q_rs + h * dim;                                        \
+            for (int c = 0; c < nd; c++) {                                                   \
+                q[h * nd + c] = _mm256_mul_ps(load8_##T(qp + 8 * c), vscale);                \
+                acc[h * nd + c] = _mm256_setzero_ps();                                       \
+            }                                                                                \
+            best[h] = -INFINITY;                                                             \
+            total[h] = 0.0f;                                                                 \
+        }                                                                                    \
+        for (int64_t ja = lo; ja <= pos && ja < lo + ROW_AHEAD; ja++)                        \
+            prefetch_row(k_cache, v_cache, table, ja, page_size, page_s, tok_s, row_bytes,   \
+                         sizeof(T));                                                         \
+        for (int64_t j0 = lo; j0 <= pos; j0 += BLOCK) {                                      \
+            const int64_t n = (pos - j0 + 1 < BLOCK) ? pos - j0 + 1 : BLOCK;                 \
+            for (int64_t jj = 0; jj < n; jj++) {                                             \
+                const int64_t j = j0 + jj;                                                   \
+                const T *kr = k_cache + key_offset(table, j, page_size, page_s, tok_s);      \
+                if (j + ROW_AHEAD <= pos)                                                    \
+                    prefetch_row(k_cache, v_cache, table, j + ROW_AHEAD, page_size, page_s,  \
+                                 tok_s, row_bytes, sizeof(T));                               \
+                for (int64_t kh = 0; kh < kv_heads; kh++) {                                  \
+                    const T *kp = kr + kh * head_s;                                          \
+                    __m256 k[MAX_DIM / 8];                                                   \
+                    for (int c = 0; c < nd; c++) k[c] = load8_##T(kp + 8 * c);               \
+                    for (int64_t g = 0; g < group; g++) {                                    \
+                        const __m256 *qh = q + (kh * group + g) * nd;                        \
+                        __m256 s = _mm256_mul_ps(qh[0], k[0]);                               \
+                        for (int c = 1; c < nd; c++) s = _mm256_fmadd_ps(qh[c], k[c], s);    \
+                        score[kh * group + g][jj] = hsum8(s);                                \
+                    }                                                                        \
+                }                                                                            \
+            }                                                                                \
+            for (int64_t h = 0; h < nh; h++) {                                               \
+                const float top = block_max8(score[h], n, best[h]);                          \
+                const float rescale = expf(best[h] - top); /* 0 on the first block */        \
+                const __m256 vtop = _mm256_set1_ps(top);                                     \
+                __m256 vsum = _mm256_setzero_ps();                                           \
+                int64_t jj = 0;                                                              \
+                for (; jj + 8 <= n; jj += 8) {                                               \
+                    __m256 x = exp8(_mm256_sub_ps(_mm256_load_ps(&score[h][jj]), vtop));     \
+                    _mm256_store_ps(&score[h][jj], x);                                       \
+                    vsum = _mm256_add_ps(vsum, x);                                           \
+                }                                                                            \
+                float sum = hsum8(vsum);                                                     \
+                for (; jj < n; jj++) {                                                       \
+                    score[h][jj] = expf(score[h][jj] - top);                                 \
+                    sum += score[h][jj];                                                     \
+                }                                                                            \
+                total[h] = total[h] * rescale + sum;                                         \
+                best[h] = top;                                                               \
+                if (rescale != 1.0f) {                                                       \
+                    const __m256 vr = _mm256_set1_ps(rescale);                               \
+                    for (int c = 0; c < nd; c++)                                             \
+                        acc[h * nd + c] = _mm256_mul_ps(acc[h * nd + c], vr);                \
+                }                                                                            \
+            }                                                                                \
+            /* the block's V rows came in with its keys' fetches: a head at a time from cache, \
+             * its sums in registers */                                                      \
+            const T *vrow[BLOCK];                                                            \
+            for (int64_t jj = 0; jj < n; jj++)                                               \
+                vrow[jj] = v_cache + key_offset(table, j0 + jj, page_size, page_s, tok_s);   \
+            for (int64_t h = 0; h < nh; h++) {                                               \
+                const int64_t off = (h / group) * head_s;                                    \
+                __m256 a[MAX_DIM / 8];                                                       \
+                for (int c = 0; c < nd; c++) a[c] = acc[h * nd + c];                         \
+                for (int64_t jj = 0; jj < n; jj++) {                                         \
+                    const __m256 p = _mm256_set1_ps(score[h][jj]);                           \
+                    const T *vp = vrow[jj] + off;                                            \
+                    for (int c = 0; c < nd; c++)                                             \
+                        a[c] = _mm256_fmadd_ps(p, load8_##T(vp + 8 * c), a[c]);              \
+                }                                                                            \
+                for (int c = 0; c < nd; c++) acc[h * nd + c] = a[c];                         \
+            }                                                                                \
+        }                                                                                    \
+        for (int64_t h = 0; h < nh; h++) {                                                   \
+            T *op = out + r * out_rs + h * dim;                                              \
+            const __m256 inv = _mm256_set1_ps(total[h] > 0.0f ? 1.0f / total[h] : 0.0f);     \
+            for (int c = 0; c < nd; c++)                                                     \
+                store8_##T(op + 8 * c, _mm256_mul_ps(acc[h * nd + c], inv));                 \
+        }                                                                                    \
+    }
 #endif
 
 #ifdef __AVX512F__
@@ -399,6 +508,23 @@ DEFINE_ITEM512(bf16)
 #elif defined(__AVX2__) && defined(__FMA__)
 DEFINE_ITEM256(f32)
 DEFINE_ITEM256(bf16)
+DEFINE_ROW256(f32)
+DEFINE_ROW256(bf16)
+/* a whole row (all its KV heads) in one pass where its heads fit row256's arrays */
+#define ROW_ITEM(T)                                                                          \
+    if (per_item > 1 && heads <= ROW_HEADS && dim % 8 == 0 && heads * (dim / 8) <= ROW_VECTORS) { \
+        const int64_t r = item, seq = row_seq[r], pos = row_pos[r];                          \
+        const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;      \
+        const int64_t *table = tables + seq * tab_s;                                         \
+        if (dim == 64)                                                                       \
+            row256_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s, page_size,     \
+                       table, r, kv_heads, lo, pos, group, 8, scale, out, out_rs, 64);       \
+        else                                                                                 \
+            row256_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s, page_size,     \
+                       table, r, kv_heads, lo, pos, group, (int)(dim / 8), scale, out,       \
+                       out_rs, dim);                                                         \
+        continue;                                                                            \
+    }
 #define VECTOR_ITEM(T)                                                                       \
     if (dim % 8 == 0) {                                                                      \
         switch (dim) {                                                                       \
@@ -419,6 +545,9 @@ DEFINE_ITEM256(bf16)
     }
 #else
 #define VECTOR_ITEM(T)
+#endif
+#ifndef ROW_ITEM
+#define ROW_ITEM(T)
 #endif
 DEFINE_STORE(f32)
 DEFINE_STORE(bf16)
