@@ -261,6 +261,9 @@ class LLMEngine:
                 self.config.device,
                 self.config.quantization,
             )
+        slow = detect(self.config.device).slow_dtype(getattr(model, "dtype", None))
+        if slow:
+            log.warning("model %s: %s", name, slow)
         if prepare_forward(model, self.config):
             # the plain weights fusing and packing replaced: not counted, their file pages
             # given back

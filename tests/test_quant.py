@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from trae_groups.engine import engine as engine_module
 from trae_groups.engine import quant
 from trae_groups.engine.accuracy_gate import check_llm
 from trae_groups.engine.auto_weights import candidates, load_auto
@@ -206,3 +207,19 @@ def test_activations_are_7_bit_where_the_cpu_has_no_vnni(monkeypatch, flags, red
     model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 8))
     assert quant.quantize_linears(model) == 2
     assert [m.reduce_range for m in model] == [reduced, reduced]
+
+
+def test_bf16_without_bf16_instructions_is_said_at_start_up(llama_dir, monkeypatch, caplog):
+    # bf16 matmuls without AVX512-BF16 or AMX run oneDNN's reference kernel, many times slower
+    # than float32: an explicit bfloat16 there gets a warning naming the model, auto none
+    assert Hardware("cpu").slow_dtype(torch.bfloat16)
+    assert Hardware("cpu", frozenset({"amx_bf16"})).slow_dtype(torch.bfloat16) is None
+    assert Hardware("cpu").slow_dtype(torch.float32) is None
+    assert Hardware("cuda", cuda_capability=(7, 5)).slow_dtype(torch.bfloat16) is None
+    monkeypatch.setattr(engine_module, "detect", lambda device="cpu": Hardware("cpu"))
+    with caplog.at_level(logging.WARNING, logger=engine_module.log.name):
+        LLMEngine({"m": llama_dir}, EngineConfig(dtype="bfloat16", pool_bytes=8 << 20)).shutdown()
+        assert "model m: cpu without int8/bf16 instructions: bfloat16 matmuls" in caplog.text
+        caplog.clear()
+        LLMEngine({"m": llama_dir}, EngineConfig(dtype="float32", pool_bytes=8 << 20)).shutdown()
+        assert "bfloat16 matmuls" not in caplog.text
