@@ -24,10 +24,11 @@ from trae_groups.engine.engine import LLMEngine
 from trae_groups.engine.fast_linear import linear_library
 from trae_groups.engine.flat_forward import forward_path
 from trae_groups.engine.sampling import SamplingParams
-from trae_groups.kernels import attention, zen_layers
+from trae_groups.kernels import attention, cpu_native, zen_calls, zen_layers
 
 pytestmark = pytest.mark.skipif(
-    zen_layers.library() is None, reason="needs zentorch's shims and the AVX-512 or AVX2 kernels"
+    zen_layers.library() is None,
+    reason="needs the AVX-512 kernels and zentorch's shims, or the AVX2 kernels",
 )
 # head size 64 and an MLP width of 16s: what the native rotation and SiLU take
 WIDE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
@@ -186,6 +187,19 @@ def test_unpacked_linears_keep_the_python_loop_and_model_info_says_which(wide_ll
     want = f"trae (fused projections); linears: {library}; layer loop: native"
     assert paths[True] == (want, True)
     assert paths[False] == ("trae (fused projections)", False)
+
+
+@pytest.mark.skipif(
+    not hasattr(cpu_native.library(), "add_rms_norm_call"),
+    reason="AVX-512 builds use zentorch's norm",
+)
+def test_avx2_builds_run_the_loop_without_zentorch():
+    # AVX2 builds norm with our own kernel and multiply with oneDNN's panels: a host without
+    # the zen extra (its shims turned off here) still gets the native loop
+    code = "from trae_groups.kernels import zen_layers; print(zen_layers.library() is None)"
+    env = {**os.environ, zen_calls.ENV_SWITCH: "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert (done.stdout.strip() or done.stderr) == "False"
 
 
 def test_the_switch_turns_the_native_loop_off():

@@ -1,6 +1,7 @@
 """The flat forward's layer stack in one native call (``zen_layers.c``), where every kernel of
 a layer has a C entry point: bf16 or float32 weights packed for zentorch (AMD) or oneDNN
-(Intel), zentorch's norms (its C shims loaded), K/V pages of the same dtype, our rotation and
+(Intel, and AMD without AVX-512), zentorch's norms (its C shims loaded) or, in AVX2 builds, our
+float32 norm (zentorch not needed there), K/V pages of the same dtype, our rotation and
 SiLU (AVX-512 builds: bf16 and float32; AVX2 builds: float32), and a step whose attention the
 native paged kernel runs for every row (decodes, and short prompt chunks beside them).
 
@@ -74,15 +75,19 @@ class Layer(ctypes.Structure):
 def _load() -> ctypes.CDLL:
     if os.environ.get(ENV_SWITCH) == "0":
         raise RuntimeError(f"{ENV_SWITCH}=0")
-    zen, native = zen_calls.library(), cpu_native.library()
-    if zen is None or native is None or not hasattr(native, "silu_mul_f32"):
-        raise RuntimeError("needs zentorch's C shims and an AVX-512 or AVX2 build of cpu_paged.c")
+    native = cpu_native.library()
+    if native is None or not hasattr(native, "silu_mul_f32"):
+        raise RuntimeError("needs an AVX-512 or AVX2 build of cpu_paged.c")
+    # our float32 add-and-norm in AVX2 builds (zentorch's took 5.6x its time at 2,048 rows
+    # there), zentorch's elsewhere: the flat forward's Python loop picks the same (_norms_for).
+    # So an AVX2 build runs the loop without zentorch (its linears oneDNN's there).
+    own_norm = hasattr(native, "add_rms_norm_call")
+    zen = zen_calls.library()
+    if zen is None and not own_norm:
+        raise RuntimeError("needs zentorch's C shims (its add-and-norm) in an AVX-512 build")
     lib = cpu_native.built(SOURCE)
     lib.layers_bind.argtypes = [_ptr]
     lib.layers_bind.restype = None
-    # our float32 add-and-norm in AVX2 builds (zentorch's took 5.6x its time at 2,048 rows
-    # there), zentorch's elsewhere: the flat forward's Python loop picks the same (_norms_for)
-    own_norm = hasattr(native, "add_rms_norm_call")
     lib.layers_bind(
         address(native, "add_rms_norm_call") if own_norm else address(zen, "zen_add_rms_norm")
     )
