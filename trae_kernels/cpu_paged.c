@@ -295,6 +295,30 @@ static inline void store8_bf16(bf16 *p, __m256 x) {
 }
 #include "cpu_vec2.h"
 
+/* One head's online-softmax step over a block of n scores (32-byte aligned): the scores become
+ * e^(score - running maximum), the head's maximum and sum move on, and the factor its weighted
+ * sums so far must be scaled by is returned (1 where the maximum held; 0 on the first block). */
+static inline float softmax_block8(float *score, int64_t n, float *best, float *total) {
+    const float top = block_max8(score, n, *best);
+    const float rescale = expf(*best - top);
+    const __m256 vtop = _mm256_set1_ps(top);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t jj = 0;
+    for (; jj + 8 <= n; jj += 8) {
+        const __m256 x = exp8(_mm256_sub_ps(_mm256_load_ps(score + jj), vtop));
+        _mm256_store_ps(score + jj, x);
+        vsum = _mm256_add_ps(vsum, x);
+    }
+    float sum = hsum8(vsum);
+    for (; jj < n; jj++) {
+        score[jj] = expf(score[jj] - top);
+        sum += score[jj];
+    }
+    *total = *total * rescale + sum;
+    *best = top;
+    return rescale;
+}
+
 #define DEFINE_ITEM256(T)                                                                    \
     static inline __attribute__((always_inline)) void item256_##T(                           \
         const T *query, int64_t q_rs, const T *k_cache, const T *v_cache, int64_t page_s,    \
@@ -332,23 +356,7 @@ static inline void store8_bf16(bf16 *p, __m256 x) {
                 }                                                                            \
             }                                                                                \
             for (int64_t g = 0; g < group; g++) {                                            \
-                const float top = block_max8(score[g], n, best[g]);                          \
-                const float rescale = expf(best[g] - top); /* 0 on the first block */        \
-                const __m256 vtop = _mm256_set1_ps(top);                                     \
-                __m256 vsum = _mm256_setzero_ps();                                           \
-                int64_t jj = 0;                                                              \
-                for (; jj + 8 <= n; jj += 8) {                                               \
-                    __m256 x = exp8(_mm256_sub_ps(_mm256_load_ps(&score[g][jj]), vtop));     \
-                    _mm256_store_ps(&score[g][jj], x);                                       \
-                    vsum = _mm256_add_ps(vsum, x);                                           \
-                }                                                                            \
-                float sum = hsum8(vsum);                                                     \
-                for (; jj < n; jj++) {                                                       \
-                    score[g][jj] = expf(score[g][jj] - top);                                 \
-                    sum += score[g][jj];                                                     \
-                }                                                                            \
-                total[g] = total[g] * rescale + sum;                                         \
-                best[g] = top;                                                               \
+                const float rescale = softmax_block8(score[g], n, &best[g], &total[g]);      \
                 if (rescale != 1.0f) {                                                       \
                     const __m256 vr = _mm256_set1_ps(rescale);                               \
                     for (int c = 0; c < nd; c++) acc[g][c] = _mm256_mul_ps(acc[g][c], vr);   \
@@ -433,23 +441,7 @@ static inline void prefetch_row(const void *k_cache, const void *v_cache, const 
                 }                                                                            \
             }                                                                                \
             for (int64_t h = 0; h < nh; h++) {                                               \
-                const float top = block_max8(score[h], n, best[h]);                          \
-                const float rescale = expf(best[h] - top); /* 0 on the first block */        \
-                const __m256 vtop = _mm256_set1_ps(top);                                     \
-                __m256 vsum = _mm256_setzero_ps();                                           \
-                int64_t jj = 0;                                                              \
-                for (; jj + 8 <= n; jj += 8) {                                               \
-                    __m256 x = exp8(_mm256_sub_ps(_mm256_load_ps(&score[h][jj]), vtop));     \
-                    _mm256_store_ps(&score[h][jj], x);                                       \
-                    vsum = _mm256_add_ps(vsum, x);                                           \
-                }                                                                            \
-                float sum = hsum8(vsum);                                                     \
-                for (; jj < n; jj++) {                                                       \
-                    score[h][jj] = expf(score[h][jj] - top);                                 \
-                    sum += score[h][jj];                                                     \
-                }                                                                            \
-                total[h] = total[h] * rescale + sum;                                         \
-                best[h] = top;                                                               \
+                const float rescale = softmax_block8(score[h], n, &best[h], &total[h]);      \
                 if (rescale != 1.0f) {                                                       \
                     const __m256 vr = _mm256_set1_ps(rescale);                               \
                     for (int c = 0; c < nd; c++)                                             \
