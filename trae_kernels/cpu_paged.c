@@ -388,15 +388,10 @@ static inline float softmax_block8(float *score, int64_t n, float *best, float *
 #define ROW_VECTORS 256 /* query heads x 8-lane vectors of a head the row loop holds (8 KB) */
 #define ROW_HEADS 32
 #define ROW_AHEAD 8 /* keys whose whole K and V rows are fetched ahead */
-static inline void prefetch_row(const void *k_cache, const void *v_cache, const int64_t *table,
-                                int64_t j, int64_t page_size, int64_t page_s, int64_t tok_s,
-                                int64_t row_bytes, int64_t size) {
-    const int64_t at = key_offset(table, j, page_size, page_s, tok_s) * size;
-    for (int64_t b = 0; b < row_bytes; b += 64) {
-        __builtin_prefetch((const char *)k_cache + at + b, 0, 3);
-        __builtin_prefetch((const char *)v_cache + at + b, 0, 3);
-    }
-}
+/* key j's K and V rows of every head: prefetch_key from head 0 over all of them */
+#define PREFETCH_ROW(T, j)                                                                   \
+    prefetch_key(k_cache, v_cache, table, (j), page_size, page_s, tok_s, head_s, 0, row_bytes, \
+                 sizeof(T))
 #define DEFINE_ROW256(T)                                                                     \
     static inline __attribute__((always_inline)) void row256_##T(                            \
         const T *query, int64_t q_rs, const T *k_cache, const T *v_cache, int64_t page_s,    \
@@ -418,16 +413,14 @@ static inline void prefetch_row(const void *k_cache, const void *v_cache, const 
             total[h] = 0.0f;                                                                 \
         }                                                                                    \
         for (int64_t ja = lo; ja <= pos && ja < lo + ROW_AHEAD; ja++)                        \
-            prefetch_row(k_cache, v_cache, table, ja, page_size, page_s, tok_s, row_bytes,   \
-                         sizeof(T));                                                         \
+            PREFETCH_ROW(T, ja);                                                             \
         for (int64_t j0 = lo; j0 <= pos; j0 += BLOCK) {                                      \
             const int64_t n = (pos - j0 + 1 < BLOCK) ? pos - j0 + 1 : BLOCK;                 \
             for (int64_t jj = 0; jj < n; jj++) {                                             \
                 const int64_t j = j0 + jj;                                                   \
                 const T *kr = k_cache + key_offset(table, j, page_size, page_s, tok_s);      \
                 if (j + ROW_AHEAD <= pos)                                                    \
-                    prefetch_row(k_cache, v_cache, table, j + ROW_AHEAD, page_size, page_s,  \
-                                 tok_s, row_bytes, sizeof(T));                               \
+                    PREFETCH_ROW(T, j + ROW_AHEAD);                                          \
                 for (int64_t kh = 0; kh < kv_heads; kh++) {                                  \
                     const T *kp = kr + kh * head_s;                                          \
                     __m256 k[MAX_DIM / 8];                                                   \

@@ -3,6 +3,8 @@
 #ifndef TRAE_CPU_VEC_H
 #define TRAE_CPU_VEC_H
 #include <immintrin.h>
+
+#include "cpu_exp2.h"
 #include <stdint.h>
 
 typedef uint16_t bf16;
@@ -77,13 +79,7 @@ static inline __m512 exp16(__m512 x) { /* x <= 0: a score minus the running maxi
     __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(t, n); /* 2^x = 2^n * 2^f, f in [-0.5, 0.5] */
-    __m512 p = _mm512_set1_ps(1.540353039338161e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355814642844e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512 p = EXP2_POLY(_mm512_set1_ps, _mm512_fmadd_ps, f);
     return _mm512_scalef_ps(p, n);
 }
 

@@ -3,6 +3,8 @@
 #ifndef TRAE_CPU_VEC2_H
 #define TRAE_CPU_VEC2_H
 #include <immintrin.h>
+
+#include "cpu_exp2.h"
 #include <stdint.h>
 
 static inline float hsum8(__m256 x) {
@@ -30,13 +32,7 @@ static inline __m256 exp8(__m256 x) { /* x <= 0: a score minus the running maxim
     __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
     __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(t, n); /* 2^x = 2^n * 2^f, f in [-0.5, 0.5] */
-    __m256 p = _mm256_set1_ps(1.540353039338161e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.333355814642844e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256 p = EXP2_POLY(_mm256_set1_ps, _mm256_fmadd_ps, f);
     /* n >= -126 after the clamp: 2^n is a normal float made from its exponent bits */
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
