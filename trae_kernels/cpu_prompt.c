@@ -207,8 +207,8 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
 #include "cpu_vec2.h"
 /* The same kernel with AVX2 and FMA only (an EPYC of the Zen 3 generation), where torch's
  * flash kernel took 6.6 of a 43 s float32 run of 32 x 512 prompts (SmolLM2, 64 new tokens):
- * 8 lanes, so an item is 16 queries (two vectors), a key's scores summed 4 keys at a time and
- * the weighted sum 4 dims at a time (sixteen 8-lane registers); the masks are vectors; the
+ * 8 lanes, so an item is 16 queries (two vectors), a key's scores summed 6 keys at a time and
+ * the weighted sum 6 dims at a time (sixteen 8-lane registers); the masks are vectors; the
  * exp is the AVX2 decode kernel's polynomial. */
 #include <immintrin.h>
 
@@ -219,7 +219,6 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
  * keep both FMA pipes busy through their latency where 4 (8 sums) left them waiting: 30 layers
  * of 4 x 512-token chunks took 0.85x the time (blocks of 24, 36 or 48 keys alike; 30: 0.92x) */
 #define GROUP 6
-#define DIMS 4     /* output dims whose sums stay in registers */
 #define MAX_DIM 128
 
 /* lanes (queries at positions pos) that see key k: k <= pos, and within the window */
@@ -286,6 +285,44 @@ static inline __attribute__((always_inline)) __m256 softmax_block(__m256 *s, int
     return alpha;
 }
 
+/* O^T's dims [d0, d0 + n) += V's values times P^T over a block of keys, after the rescale; n is
+ * 6 or 4 (a constant once inlined). perf showed the 4-dim loop this replaced load-bound: gcc
+ * folded each key's two P vectors into every multiply-add, 12 loads for 8 of them, and 8 sums
+ * left both FMA pipes waiting through their latency. P now stays in registers and 6 dims are
+ * 12 sums: 30 layers of 4 x 512-token chunks took 0.80-0.84x the time, the same bits. */
+static inline __attribute__((always_inline)) void weigh(const float *const *v, const __m256 *s0,
+                                                        const __m256 *s1, int64_t nk,
+                                                        int first_too, int d0, const int n,
+                                                        int grew0, __m256 alpha0, int grew1,
+                                                        __m256 alpha1, __m256 *o0, __m256 *o1) {
+    __m256 acc0[6], acc1[6];
+    for (int i = 0; i < n; i++) {
+        acc0[i] = grew0 ? _mm256_mul_ps(o0[d0 + i], alpha0) : o0[d0 + i];
+        acc1[i] = grew1 ? _mm256_mul_ps(o1[d0 + i], alpha1) : o1[d0 + i];
+    }
+    if (first_too)
+        for (int64_t j = 0; j < nk; j++) {
+            __m256 p0 = s0[j], p1 = s1[j];
+            __asm__("" : "+x"(p0), "+x"(p1)); /* kept in registers, not folded into each FMA */
+            for (int i = 0; i < n; i++) {
+                const __m256 vd = _mm256_broadcast_ss(v[j] + d0 + i);
+                acc0[i] = _mm256_fmadd_ps(vd, p0, acc0[i]);
+                acc1[i] = _mm256_fmadd_ps(vd, p1, acc1[i]);
+            }
+        }
+    else
+        for (int64_t j = 0; j < nk; j++) {
+            __m256 p1 = s1[j];
+            __asm__("" : "+x"(p1));
+            for (int i = 0; i < n; i++)
+                acc1[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(v[j] + d0 + i), p1, acc1[i]);
+        }
+    for (int i = 0; i < n; i++) {
+        o0[d0 + i] = acc0[i];
+        o1[d0 + i] = acc1[i];
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_lanes(const Args *a, int64_t table_row,
                                                                int64_t first_row, int64_t rows,
                                                                int64_t ctx, int64_t h,
@@ -333,31 +370,11 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
                                         : _mm256_set1_ps(1.0f);
         const __m256 alpha1 =
             softmax_block(s1, nk, k0, whole, pos_1, a->window, &best1, &total1, &grew1);
-        for (int d0 = 0; d0 < dim; d0 += DIMS) {
-            __m256 acc0[DIMS], acc1[DIMS];
-            for (int i = 0; i < DIMS; i++) {
-                acc0[i] = grew0 ? _mm256_mul_ps(o0[d0 + i], alpha0) : o0[d0 + i];
-                acc1[i] = grew1 ? _mm256_mul_ps(o1[d0 + i], alpha1) : o1[d0 + i];
-            }
-            if (first_too)
-                for (int64_t j = 0; j < nk; j++) {
-                    const __m256 p0 = s0[j], p1 = s1[j];
-                    for (int i = 0; i < DIMS; i++) {
-                        const __m256 vd = _mm256_broadcast_ss(v[j] + d0 + i);
-                        acc0[i] = _mm256_fmadd_ps(vd, p0, acc0[i]);
-                        acc1[i] = _mm256_fmadd_ps(vd, p1, acc1[i]);
-                    }
-                }
-            else
-                for (int64_t j = 0; j < nk; j++)
-                    for (int i = 0; i < DIMS; i++)
-                        acc1[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(v[j] + d0 + i), s1[j],
-                                                  acc1[i]);
-            for (int i = 0; i < DIMS; i++) {
-                o0[d0 + i] = acc0[i];
-                o1[d0 + i] = acc1[i];
-            }
-        }
+        const int sixes = (dim / 6) & ~1; /* 6-dim groups, the rest (a multiple of 4) by 4 */
+        for (int g = 0; g < sixes; g++)
+            weigh(v, s0, s1, nk, first_too, 6 * g, 6, grew0, alpha0, grew1, alpha1, o0, o1);
+        for (int d0 = 6 * sixes; d0 < dim; d0 += 4)
+            weigh(v, s0, s1, nk, first_too, d0, 4, grew0, alpha0, grew1, alpha1, o0, o1);
     }
     float lanes_of[MAX_DIM][QUERIES] __attribute__((aligned(32)));
     const __m256 inv0 = _mm256_div_ps(_mm256_set1_ps(1.0f), total0);
