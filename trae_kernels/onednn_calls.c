@@ -228,8 +228,8 @@ static const panel_fn panel_rows[ROW_BLOCK + 1] = {0,       panel_1, panel_2, pa
 
 /* out [rows, n] (float32) = x [rows, k] times the panels, k in blocks of kb, plus bias: items
  * of (panel, block of at most 6 rows), panel by panel, split between the threads in order */
-static void panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs, const float *w,
-                       int64_t n, int64_t kb, const float *bias, float *out) {
+static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
+                          const float *w, int64_t n, int64_t kb, const float *bias, float *out) {
     const int64_t panels = n / PANEL, row_blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t lines = k * PANEL * 4 / 64; /* cache lines of a panel */
     /* rows split evenly (32: 6, 6, 5, 5, 5, 5): a pass of few rows loads as much as any */
@@ -250,41 +250,78 @@ static void panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs, co
         panel_rows[r](x + r0 * x_rs, x_rs, w + p * k * PANEL, k, kb, bias ? bias + p * PANEL : 0,
                       out + r0 * n + p * PANEL, n, rb == 0, fetch, fetch_n, per);
     }
+    return 0;
 }
 #elif defined(PANELS_F32)
 /* The same panels with AVX2 and FMA only (an EPYC of the Zen 3 generation), where oneDNN lays a
  * float32 weight out alike (AB16b64a: [n / 64][k][64]) and sums k in blocks of 1,024. Sixteen
  * 8-lane registers hold fewer sums, so a pass takes R rows by V of a panel's eight vectors (6
- * rows by 2: 12 sums, 2 loads of the panel and 6 broadcasts a k). On that EPYC a SmolLM2 step's
- * 121 linears took 21.3 against oneDNN's 26.4 ms at 1 row, 49.5 against 57.8 at 16 and 80.8
- * against 82.6 at 32 (streamed from memory; from L3, 32 rows of a 960 x 576 weight ran at
- * 140-168 GFLOP/s against 111). Unrolling the k loop by 4 took that from ~120. */
+ * rows by 2: 12 sums, 2 loads of the panel and 6 broadcasts a k): a strip of 8 V columns.
+ * On that EPYC a SmolLM2 step's 121 linears took 21.3 against oneDNN's 26.4 ms at 1 row, 49.5
+ * against 57.8 at 16 and 80.8 against 82.6 at 32. Unrolling the k loop by 4 took that from ~120.
+ *
+ * Two things beyond the AVX-512 build's order: the rows are first copied k-major by blocks
+ * (xp[j * R + r]), so a k step broadcasts from one pointer where six row pointers each cost an
+ * add (gcc kept one a row); and the work goes strip by strip (every row block over one strip,
+ * then the next), the first pass fetching the first line of its strip's k steps only. A panel
+ * at a time, the first pass fetching all four lines of each k into L1, left most of them to be
+ * evicted before their pass. 30 layers of SmolLM2's linears and its lm_head at 32 rows, the
+ * two alternating in one process, the same bits: 0.87-0.95x the time on the host's slow
+ * minutes, ~1.0x on its fast ones, 0.91-0.94x from L3 (one layer); whole runs of 32 x 100 a
+ * median 0.98x (0.96-1.04x across four A/B runs), 16 x 100 0.96x, batch 1 1.00x. */
 #define PANEL 64
 #define ROW_BLOCK 6
 #define AHEAD 32 /* k a first pass fetches ahead of itself (8 KB) */
 
+/* k steps of R packed rows (xp) by V vectors of a strip (b), summed into ``sum``; PREFETCH runs
+ * once a step (j the step) */
+#define STEPS(R, V, NAME, PREFETCH)                                                                \
+    static inline __attribute__((always_inline)) void steps_##R##_##V##_##NAME(                   \
+        const float *xp, const float *b, int64_t n_steps, const char *fetch, __m256 sum[R][V]) {   \
+        (void)fetch;                                                                               \
+        _Pragma("GCC unroll 4") for (int64_t j = 0; j < n_steps; j++) {                           \
+            PREFETCH;                                                                              \
+            __m256 w[V];                                                                           \
+            for (int v = 0; v < V; v++) w[v] = _mm256_loadu_ps(b + j * PANEL + 8 * v);             \
+            for (int r = 0; r < R; r++) {                                                          \
+                const __m256 a = _mm256_broadcast_ss(xp + j * R + r);                              \
+                for (int v = 0; v < V; v++) sum[r][v] = _mm256_fmadd_ps(a, w[v], sum[r][v]);       \
+            }                                                                                      \
+        }                                                                                          \
+    }
+/* out rows [0, R) x a strip = the packed rows times the strip, k in blocks of ``kb`` summed on
+ * their own and then added in order (oneDNN's order), plus bias. The first pass over a strip
+ * reads it from memory and fetches its own k steps AHEAD on; a later one reads it from L2 and
+ * fetches the k steps [f_from, f_to) of the next strip (``fetch``) meanwhile: a line a step,
+ * the hardware's prefetcher taking the rest of a wider strip (one row's 4 lines: 0.92-0.97x
+ * the time of fetching all 4). */
 #define PASS(R, V)                                                                                 \
-    static void pass_##R(const float *x, int64_t x_rs, const float *panel, int64_t k, int64_t kb,  \
-                         const float *bias, float *out, int64_t n, int first, const char *fetch,   \
-                         int64_t fetch_n) {                                                        \
+    STEPS(R, V, ahead, _mm_prefetch(fetch + j * PANEL * 4, _MM_HINT_T0))                           \
+    STEPS(R, V, next, _mm_prefetch(fetch + j * PANEL * 4, _MM_HINT_T1))                            \
+    STEPS(R, V, none, )                                                                            \
+    static void pass_##R##_##V(const float *xp, const float *strip, int64_t k, int64_t kb,         \
+                               const float *bias, float *out, int64_t n, int first,                \
+                               const char *fetch, int64_t f_from, int64_t f_to) {                  \
         __m256 sum[R][V], total[R][V];                                                             \
+        if (first) {                                                                               \
+            fetch = (const char *)(strip + AHEAD * PANEL); /* past the end too: a hint */          \
+            f_from = 0;                                                                            \
+            f_to = k;                                                                              \
+        }                                                                                          \
         for (int64_t j0 = 0; j0 < k; j0 += kb) {                                                   \
             for (int r = 0; r < R; r++)                                                            \
                 for (int v = 0; v < V; v++) sum[r][v] = _mm256_setzero_ps();                      \
             const int64_t j1 = j0 + kb < k ? j0 + kb : k;                                          \
-            _Pragma("GCC unroll 4") for (int64_t j = j0; j < j1; j++) {                            \
-                const float *b = panel + j * PANEL;                                                \
-                if (first && j + AHEAD < k)                                                        \
-                    for (int q = 0; q < 4; q++)                                                    \
-                        _mm_prefetch((const char *)(b + AHEAD * PANEL) + q * 64, _MM_HINT_T0);     \
-                if (j < fetch_n) _mm_prefetch(fetch + j * 64, _MM_HINT_T1);                       \
-                __m256 w[V];                                                                       \
-                for (int v = 0; v < V; v++) w[v] = _mm256_loadu_ps(b + 8 * v);                    \
-                for (int r = 0; r < R; r++) {                                                      \
-                    const __m256 a = _mm256_broadcast_ss(x + r * x_rs + j);                        \
-                    for (int v = 0; v < V; v++) sum[r][v] = _mm256_fmadd_ps(a, w[v], sum[r][v]);  \
-                }                                                                                  \
-            }                                                                                      \
+            const int64_t a = f_from < j0 ? j0 : f_from > j1 ? j1 : f_from;                        \
+            const int64_t b = f_to < a ? a : f_to > j1 ? j1 : f_to;                                \
+            steps_##R##_##V##_none(xp + j0 * R, strip + j0 * PANEL, a - j0, 0, sum);               \
+            if (first)                                                                             \
+                steps_##R##_##V##_ahead(xp + a * R, strip + a * PANEL, b - a,                      \
+                                        fetch + a * PANEL * 4, sum);                               \
+            else                                                                                   \
+                steps_##R##_##V##_next(xp + a * R, strip + a * PANEL, b - a,                       \
+                                       fetch + a * PANEL * 4, sum);                                \
+            steps_##R##_##V##_none(xp + b * R, strip + b * PANEL, j1 - b, 0, sum);                 \
             for (int r = 0; r < R; r++)                                                            \
                 for (int v = 0; v < V; v++)                                                        \
                     total[r][v] = j0 ? _mm256_add_ps(total[r][v], sum[r][v]) : sum[r][v];          \
@@ -299,41 +336,60 @@ static void panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs, co
 PASS(1, 8)
 PASS(2, 4)
 PASS(3, 4)
+PASS(3, 2)
 PASS(4, 2)
 PASS(5, 2)
 PASS(6, 2)
-typedef void (*pass_fn)(const float *, int64_t, const float *, int64_t, int64_t, const float *,
-                        float *, int64_t, int, const char *, int64_t);
-static const pass_fn passes[ROW_BLOCK + 1] = {0, pass_1, pass_2, pass_3, pass_4, pass_5, pass_6};
-static const int pass_columns[ROW_BLOCK + 1] = {0, 64, 32, 32, 16, 16, 16};
+typedef void (*pass_fn)(const float *, const float *, int64_t, int64_t, const float *, float *,
+                        int64_t, int, const char *, int64_t, int64_t);
+/* [rows][vectors / 2]: the pass of a block of that many rows over a strip of 8 x vectors
+ * columns (a block of 3 beside blocks of 4 takes the strip of 2 vectors theirs do) */
+static const pass_fn passes[ROW_BLOCK + 1][5] = {
+    {0}, {0, 0, 0, 0, pass_1_8}, {0, 0, pass_2_4}, {0, pass_3_2, pass_3_4},
+    {0, pass_4_2}, {0, pass_5_2}, {0, pass_6_2}};
+static const int strip_columns[ROW_BLOCK + 1] = {0, 64, 32, 32, 16, 16, 16};
 
-static void panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs, const float *w,
-                       int64_t n, int64_t kb, const float *bias, float *out) {
+static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
+                          const float *w, int64_t n, int64_t kb, const float *bias, float *out) {
     const int64_t panels = n / PANEL, row_blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t even = rows / row_blocks, extra = rows % row_blocks;
-    const int64_t lines = k * PANEL * 4 / 64; /* cache lines of a panel */
-#pragma omp parallel for schedule(static) num_threads(omp_get_max_threads())
-    for (int64_t item = 0; item < panels * row_blocks; item++) {
-        const int64_t p = item / row_blocks, rb = item % row_blocks;
-        const int64_t r = even + (rb < extra), r0 = rb * even + (rb < extra ? rb : extra);
-        const int cols = pass_columns[r], n_passes = PANEL / cols;
-        /* a later pass over a panel (from L2) fetches a share of the next one into L2, a line
-         * a k: the first pass over it then finds it there instead of waiting on memory */
-        int64_t share = 0;
-        const char *next = 0;
-        if (rb > 0 && p + 1 < panels) {
-            share = (lines + (row_blocks - 1) * n_passes - 1) / ((row_blocks - 1) * n_passes);
-            next = (const char *)(w + (p + 1) * k * PANEL);
+    const int cols = strip_columns[even + (extra > 0)]; /* the largest block's */
+    const int64_t strips = PANEL / cols, items = panels * strips;
+    /* the rows k-major by blocks; one row is that already */
+    float *const copy = rows > 1 ? malloc((size_t)(rows * k) * sizeof(float)) : 0;
+    if (rows > 1 && !copy) return 1; /* the op answers */
+    const float *const xp = rows > 1 ? copy : x;
+    /* a later pass's share of the next strip's k steps */
+    const int64_t share = row_blocks > 1 ? (k + row_blocks - 2) / (row_blocks - 1) : 0;
+#pragma omp parallel num_threads(omp_get_max_threads())
+    {
+        if (rows > 1) {
+#pragma omp for schedule(static)
+            for (int64_t rb = 0; rb < row_blocks; rb++) {
+                const int64_t r = even + (rb < extra), r0 = rb * even + (rb < extra ? rb : extra);
+                float *dst = copy + r0 * k;
+                for (int64_t j = 0; j < k; j++)
+                    for (int64_t i = 0; i < r; i++) dst[j * r + i] = x[(r0 + i) * x_rs + j];
+            }
         }
-        for (int c = 0, i = 0; c < PANEL; c += cols, i++) {
-            const int64_t from = ((rb - 1) * n_passes + i) * share;
-            const int64_t left = next && from < lines ? lines - from : 0;
-            const int64_t fetch_n = left < share ? left : share;
-            passes[r](x + r0 * x_rs, x_rs, w + p * k * PANEL + c, k, kb,
-                      bias ? bias + p * PANEL + c : 0, out + r0 * n + p * PANEL + c, n,
-                      rb == 0 && c == 0, next ? next + from * 64 : 0, fetch_n);
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t p = item / strips, c = (item % strips) * cols;
+            const float *next = item + 1 < items ? w + ((item + 1) / strips) * k * PANEL +
+                                                       ((item + 1) % strips) * cols
+                                                 : 0;
+            for (int64_t rb = 0; rb < row_blocks; rb++) {
+                const int64_t r = even + (rb < extra), r0 = rb * even + (rb < extra ? rb : extra);
+                const int64_t from = rb > 0 ? (rb - 1) * share : 0;
+                const int64_t to = next && rb > 0 ? (from + share < k ? from + share : k) : 0;
+                passes[r][cols / 16](xp + r0 * k, w + p * k * PANEL + c, k, kb,
+                                     bias ? bias + p * PANEL + c : 0, out + r0 * n + p * PANEL + c,
+                                     n, rb == 0, (const char *)next, from, to);
+            }
         }
     }
+    free(copy);
+    return 0;
 }
 #endif
 
@@ -360,8 +416,9 @@ static int32_t call_op(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out
 }
 
 #if defined(PANELS_F32)
-/* This file's own product of the rows into ``out``, ``how`` as own_rows found it */
-typedef void (*own_fn)(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
+/* This file's own product of the rows into ``out``, ``how`` as own_rows found it; 0 when
+ * done, else it could not (no memory for its copy of the rows) and the op must answer */
+typedef int32_t (*own_fn)(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
                        const Weight *w, void *bias, int16_t how);
 
 /* The rows by ``run`` where the first call at this row count found a way (``ways``, tried in
@@ -372,16 +429,16 @@ static int32_t own_rows(void *x, int64_t rows, int64_t k, int64_t x_rs, void *ou
                         const int16_t *ways, int n_ways) {
     int16_t *found = weight->found + rows;
     if (*found < 0) return 1;
-    if (*found > 0) {
-        run(x, rows, k, x_rs, out, n, weight, bias, *found);
-        return 0;
-    }
+    if (*found > 0) return run(x, rows, k, x_rs, out, n, weight, bias, *found) ? 1 : 0;
     const int32_t err = call_op(x, rows, k, x_rs, out, n, dtype, weight, bias);
     if (err) return err;
     void *mine = malloc((size_t)(rows * n) * elem);
     *found = -1;
     for (int i = 0; mine && i < n_ways && *found < 0; i++) {
-        run(x, rows, k, x_rs, mine, n, weight, bias, ways[i]);
+        if (run(x, rows, k, x_rs, mine, n, weight, bias, ways[i])) {
+            *found = 0; /* unanswered: asked again on a later call */
+            break;
+        }
         if (!memcmp(mine, out, (size_t)(rows * n) * elem)) *found = ways[i];
     }
     free(mine);
@@ -390,18 +447,19 @@ static int32_t own_rows(void *x, int64_t rows, int64_t k, int64_t x_rs, void *ou
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-static void tiles_run(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
-                      const Weight *w, void *bias, int16_t how) {
+static int32_t tiles_run(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
+                         const Weight *w, void *bias, int16_t how) {
     (void)how;
     tile_rows(x, rows, k, x_rs, n, w, bias, out);
+    return 0;
 }
 static const int16_t TILE_WAYS[1] = {1};
 #endif
 
 #if defined(PANELS_F32)
-static void panels_run(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
-                       const Weight *w, void *bias, int16_t k_block) {
-    panels_f32(x, rows, k, x_rs, w->blocked, n, k_block, bias, out);
+static int32_t panels_run(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
+                          const Weight *w, void *bias, int16_t k_block) {
+    return panels_f32(x, rows, k, x_rs, w->blocked, n, k_block, bias, out);
 }
 /* oneDNN's k blocks: on an Intel Xeon with AMX 512, or 1,024 from 2 rows where k > 1,024; on
  * an AVX2-only EPYC 1,024. A whole k in one sum last (32,767: past any k a weight here has). */
