@@ -268,7 +268,8 @@ static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
  * evicted before their pass. 30 layers of SmolLM2's linears and its lm_head at 32 rows, the
  * two alternating in one process, the same bits: 0.87-0.95x the time on the host's slow
  * minutes, ~1.0x on its fast ones, 0.91-0.94x from L3 (one layer); whole runs of 32 x 100 a
- * median 0.98x (0.96-1.04x across four A/B runs), 16 x 100 0.96x, batch 1 1.00x. */
+ * median 0.98x (0.96-1.04x across four A/B runs), 16 x 100 0.96x, batch 1 1.00-1.04x (two
+ * processes of the same code differed by 2%). */
 #define PANEL 64
 #define ROW_BLOCK 6
 #define AHEAD 32 /* k a first pass fetches ahead of itself (8 KB) */
