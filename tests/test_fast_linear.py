@@ -144,14 +144,14 @@ def test_packed_linear_any_row_count(rows):
 @pytest.mark.parametrize("bias", [False, True])
 def test_few_rows_multiplied_in_c_give_the_ops_bits(dtype, bias):
     """Rows onednn_calls.c multiplies from the packed buffer itself (float32 panels, bf16 on AMX
-    tiles: decode steps' lm_head and the Python loop's decode rows) give the op's bits, for any
-    leading shape, and past its limit the op runs."""
+    tiles: decode steps' lm_head and the Python loop's decode rows; on AVX2 CPUs float32 prompt
+    rows too) give the op's bits, for any leading shape, and past its limit the op runs."""
     if dtype not in packable_dtypes():
         pytest.skip(f"oneDNN cannot pack {dtype} here")
     torch.manual_seed(0)
     lin = nn.Linear(1104, 192, bias=bias).to(dtype)  # k past 1,024: oneDNN sums it in blocks
     packed = PackedLinear.from_linear(lin)
-    for rows in (1, 5, 32, 33, 64, 65):
+    for rows in (1, 5, 32, 33, 64, 65, 300):
         x = torch.randn(rows, 1104).to(dtype)
         want = torch.ops.mkldnn._linear_pointwise(
             x, packed.packed_weight, packed.bias, "none", [], ""
@@ -161,7 +161,7 @@ def test_few_rows_multiplied_in_c_give_the_ops_bits(dtype, bias):
             assert torch.equal(packed(x.view(1, rows, -1))[0], want), rows
     own = packed._own_rows
     if dtype == torch.float32 and onednn_calls.own_rows_limit(torch.float32):
-        assert own is not None and own.max_rows == onednn_calls.F32_ROWS
+        assert own is not None and own.max_rows == onednn_calls.own_rows_limit(torch.float32)
 
 
 @pytest.mark.parametrize("hint", [None, 1, 8, 512])

@@ -45,8 +45,8 @@ def _check_rows(packed, n, k, dtype, rows_list, limit, g):
             for call in ("checks", "runs"):
                 got = onednn_calls.linear(x, address, n, b)
                 assert torch.equal(got, want), (rows, call, b is None, (got - want).abs().max())
-        if rows <= limit and _runs_here(dtype):
-            assert held.found[rows] > 0, rows  # this file's product gave the op's bits
+        if rows <= limit and _runs_here(dtype):  # this file's product gave the op's bits
+            assert held.found[min(rows, onednn_calls.F32_SLOTS - 1)] > 0, rows
     return held
 
 
@@ -72,10 +72,14 @@ F32_SHAPES = [*SHAPES, (128, 1104)]
 def test_float32_rows_give_the_ops_bits(n, k):
     g = torch.Generator().manual_seed(n * k)
     packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k, generator=g) * 0.05, HINT)
-    # blocks of 6 rows, partial ones, and past 64
-    held = _check_rows(packed, n, k, torch.float32, (1, 2, 5, 6, 7, 13, 32, 63, 64, 65), 64, g)
+    # blocks of 6 rows, partial ones, and past 64: counts one slot each to 64, then prompt rows
+    # (AVX2 builds) sharing one slot, proven at 65 and kept for 100, 301 and 700 (at k 1,104
+    # and 1,536 more rows than one 2 MB chunk of the copy holds)
+    limit = onednn_calls.own_rows_limit(torch.float32)
+    rows = (1, 2, 5, 6, 7, 13, 32, 63, 64, 65, 100, 301, 700)
+    held = _check_rows(packed, n, k, torch.float32, rows, limit, g)
     if _runs_here(torch.float32):
-        assert set(held.found[1:65:1]) <= {0, 512, 1024, 32767}
+        assert set(held.found[1:]) <= {0, 512, 1024, 32767}
 
 
 def test_a_product_in_another_order_is_not_kept():

@@ -18,16 +18,21 @@
  * (pairs of k for 32 columns, what its AMX kernels read), k in the same order, for the same
  * bits.
  *
- * Float32 rows (at most 64, any CPU with AVX-512, or AVX2 and FMA) skip it too where oneDNN
- * laid the weight out as [n / 64][k][64] (panels of 64 columns): oneDNN's float32 kernels at
- * these rows reached ~170 GFLOP/s on a step's linears streamed from memory, where a panel multiplied by 6 rows at
- * a time, the next panel fetched meanwhile, reaches ~230. oneDNN sums k in blocks (512 or 1024
- * by shape and rows, each summed on its own, then added in order).
+ * Float32 rows (at most 64 with AVX-512; any count with AVX2 and FMA only) skip it too where
+ * oneDNN laid the weight out as [n / 64][k][64] (panels of 64 columns): oneDNN's float32
+ * kernels at these rows reached ~170 GFLOP/s on a step's linears streamed from memory, where a
+ * panel multiplied by 6 rows at a time, the next panel fetched meanwhile, reaches ~230. oneDNN
+ * sums k in blocks (512 or 1024 by shape and rows, each summed on its own, then added in order).
  *
  * Neither layout nor order is a promise of oneDNN's, so both paths prove themselves: the first
  * call at each row count of a weight is answered by the op, this file's product runs beside it
  * (float32: with each k block oneDNN is known to use), and that row count stays here only where
- * the bits are the op's; else it keeps the op.
+ * the bits are the op's; else it keeps the op. Counts past 64 (prompt rows, AVX2 builds) share
+ * one proof, made at the first such call: a prompt's row count seldom repeats, and a proof at
+ * each would run both products every time. The proof settles the layout; that oneDNN keeps
+ * its k blocks at other large counts was checked at 65-2,048 rows on SmolLM2's shapes (its
+ * float32 kernels on that EPYC sum k in blocks of 1,024 from 2 rows), and each row's sums here
+ * do not depend on how many rows come with it.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -42,16 +47,23 @@
 #include "cpu_vec.h"
 #endif
 
-#define F32_ROWS 64 /* float32 rows the panel path takes */
+#define F32_ROWS 64 /* float32 row counts proven one at a time */
+#define F32_SLOTS (F32_ROWS + 2) /* ``found``: a slot a row count to F32_ROWS, one for more */
+#if defined(__AVX512F__)
+#define F32_MOST F32_ROWS /* float32 rows the panel path takes */
+#else
+#define F32_MOST INT32_MAX /* AVX2: prompt rows too (see panels_f32) */
+#endif
 
 /* A packed weight as the layer loop holds it: torch's handle; its buffer where this file may
  * read it itself (bf16 on tiles, float32 panels; else NULL); and what the first call at each
- * row count found: 0 not yet called, -1 the op (nothing here gave its bits), else how this
- * file gives them (float32: oneDNN's k block; bf16: 1) */
+ * row count found (every count past F32_ROWS shares the last slot): 0 not yet called, -1 the
+ * op (nothing here gave its bits), else how this file gives them (float32: oneDNN's k block;
+ * bf16: 1) */
 typedef struct {
     void *handle;
     const void *blocked;
-    int16_t found[F32_ROWS + 1];
+    int16_t found[F32_SLOTS];
 } Weight;
 
 typedef int32_t (*blob_fn)(void *data, int64_t ndim, const int64_t *sizes,
@@ -269,10 +281,19 @@ static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
  * two alternating in one process, the same bits: 0.87-0.95x the time on the host's slow
  * minutes, ~1.0x on its fast ones, 0.91-0.94x from L3 (one layer); whole runs of 32 x 100 a
  * median 0.98x (0.96-1.04x across four A/B runs), 16 x 100 0.96x, batch 1 1.00-1.04x (two
- * processes of the same code differed by 2%). */
+ * processes of the same code differed by 2%).
+ *
+ * The same passes take prompt rows (any count here), in chunks of rows whose copy is at most
+ * CHUNK_BYTES (a decode step's rows are one chunk): a copy of all 2,048 rows of a chunked
+ * prompt (12 MB at k = 1,536) was mmapped and faulted in afresh at every call, 37x the page
+ * faults of a prefill and slower than the op in the engine. SmolLM2's four linears of 30
+ * layers at 2,048 rows, fresh inputs, alternating with oneDNN's op in one process: 0.92x its
+ * time with 2 MB chunks (unchunked 0.91-0.94x, 256 KB 0.95-1.0x, 128 KB 0.99x); in the engine
+ * the linears of 16 x 512 prefills 0.92x, the prefills 0.93x. */
 #define PANEL 64
 #define ROW_BLOCK 6
 #define AHEAD 32 /* k a first pass fetches ahead of itself (8 KB) */
+#define CHUNK_BYTES (2 << 20) /* the most of the rows copied and multiplied at a time */
 
 /* k steps of R packed rows (xp) by V vectors of a strip (b), summed into ``sum``; PREFETCH runs
  * once a step (j the step) */
@@ -350,44 +371,57 @@ static const pass_fn passes[ROW_BLOCK + 1][5] = {
     {0, pass_4_2}, {0, pass_5_2}, {0, pass_6_2}};
 static const int strip_columns[ROW_BLOCK + 1] = {0, 64, 32, 32, 16, 16, 16};
 
-static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
-                          const float *w, int64_t n, int64_t kb, const float *bias, float *out) {
+/* One chunk of rows (``rows`` of x into ``out``) inside panels_f32's parallel region: copied
+ * k-major by blocks into ``copy``, then every row block over one strip before the next strip */
+static void chunk_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs, const float *w,
+                      int64_t n, int64_t kb, const float *bias, float *out, float *copy) {
     const int64_t panels = n / PANEL, row_blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t even = rows / row_blocks, extra = rows % row_blocks;
     const int cols = strip_columns[even + (extra > 0)]; /* the largest block's */
     const int64_t strips = PANEL / cols, items = panels * strips;
-    /* the rows k-major by blocks; one row is that already */
-    float *const copy = rows > 1 ? malloc((size_t)(rows * k) * sizeof(float)) : 0;
-    if (rows > 1 && !copy) return 1; /* the op answers */
-    const float *const xp = rows > 1 ? copy : x;
+    const float *const xp = copy ? copy : x; /* one row is k-major already */
     /* a later pass's share of the next strip's k steps */
     const int64_t share = row_blocks > 1 ? (k + row_blocks - 2) / (row_blocks - 1) : 0;
+    if (copy) {
+#pragma omp for schedule(static)
+        for (int64_t rb = 0; rb < row_blocks; rb++) {
+            const int64_t r = even + (rb < extra), r0 = rb * even + (rb < extra ? rb : extra);
+            float *dst = copy + r0 * k;
+            for (int64_t j = 0; j < k; j++)
+                for (int64_t i = 0; i < r; i++) dst[j * r + i] = x[(r0 + i) * x_rs + j];
+        }
+    }
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t p = item / strips, c = (item % strips) * cols;
+        const float *next = item + 1 < items ? w + ((item + 1) / strips) * k * PANEL +
+                                                   ((item + 1) % strips) * cols
+                                             : 0;
+        for (int64_t rb = 0; rb < row_blocks; rb++) {
+            const int64_t r = even + (rb < extra), r0 = rb * even + (rb < extra ? rb : extra);
+            const int64_t from = rb > 0 ? (rb - 1) * share : 0;
+            const int64_t to = next && rb > 0 ? (from + share < k ? from + share : k) : 0;
+            passes[r][cols / 16](xp + r0 * k, w + p * k * PANEL + c, k, kb,
+                                 bias ? bias + p * PANEL + c : 0, out + r0 * n + p * PANEL + c, n,
+                                 rb == 0, (const char *)next, from, to);
+        }
+    }
+}
+
+static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
+                          const float *w, int64_t n, int64_t kb, const float *bias, float *out) {
+    /* chunks of at most ``most`` rows, spread evenly: a decode step's rows are one */
+    const int64_t fit = CHUNK_BYTES / (k * (int64_t)sizeof(float));
+    const int64_t most = fit > ROW_BLOCK ? fit : ROW_BLOCK;
+    const int64_t chunks = (rows + most - 1) / most, each = rows / chunks, more = rows % chunks;
+    float *const copy =
+        rows > 1 ? malloc((size_t)((each + (more > 0)) * k) * sizeof(float)) : 0;
+    if (rows > 1 && !copy) return 1; /* the op answers */
 #pragma omp parallel num_threads(omp_get_max_threads())
-    {
-        if (rows > 1) {
-#pragma omp for schedule(static)
-            for (int64_t rb = 0; rb < row_blocks; rb++) {
-                const int64_t r = even + (rb < extra), r0 = rb * even + (rb < extra ? rb : extra);
-                float *dst = copy + r0 * k;
-                for (int64_t j = 0; j < k; j++)
-                    for (int64_t i = 0; i < r; i++) dst[j * r + i] = x[(r0 + i) * x_rs + j];
-            }
-        }
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < items; item++) {
-            const int64_t p = item / strips, c = (item % strips) * cols;
-            const float *next = item + 1 < items ? w + ((item + 1) / strips) * k * PANEL +
-                                                       ((item + 1) % strips) * cols
-                                                 : 0;
-            for (int64_t rb = 0; rb < row_blocks; rb++) {
-                const int64_t r = even + (rb < extra), r0 = rb * even + (rb < extra ? rb : extra);
-                const int64_t from = rb > 0 ? (rb - 1) * share : 0;
-                const int64_t to = next && rb > 0 ? (from + share < k ? from + share : k) : 0;
-                passes[r][cols / 16](xp + r0 * k, w + p * k * PANEL + c, k, kb,
-                                     bias ? bias + p * PANEL + c : 0, out + r0 * n + p * PANEL + c,
-                                     n, rb == 0, (const char *)next, from, to);
-            }
-        }
+    for (int64_t c = 0; c < chunks; c++) { /* the barriers of chunk_f32's loops keep them apart */
+        const int64_t c_rows = each + (c < more), c0 = c * each + (c < more ? c : more);
+        chunk_f32(x + c0 * x_rs, c_rows, k, x_rs, w, n, kb, bias, out + c0 * n,
+                  c_rows > 1 ? copy : 0);
     }
     free(copy);
     return 0;
@@ -428,7 +462,7 @@ typedef int32_t (*own_fn)(void *x, int64_t rows, int64_t k, int64_t x_rs, void *
 static int32_t own_rows(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
                         int32_t dtype, size_t elem, Weight *weight, void *bias, own_fn run,
                         const int16_t *ways, int n_ways) {
-    int16_t *found = weight->found + rows;
+    int16_t *found = weight->found + (rows <= F32_ROWS ? rows : F32_SLOTS - 1);
     if (*found < 0) return 1;
     if (*found > 0) return run(x, rows, k, x_rs, out, n, weight, bias, *found) ? 1 : 0;
     const int32_t err = call_op(x, rows, k, x_rs, out, n, dtype, weight, bias);
@@ -467,6 +501,9 @@ static int32_t panels_run(void *x, int64_t rows, int64_t k, int64_t x_rs, void *
 static const int16_t K_BLOCKS[3] = {512, 1024, 32767};
 #endif
 
+/* ``found``'s length in this build (onednn_calls.py's ``Weight`` must agree) */
+int64_t onednn_found_slots(void) { return F32_SLOTS; }
+
 /* The most rows this file multiplies itself in ``dtype`` (where the weight's layout allows); 0:
  * none in this build or on this CPU */
 int64_t onednn_own_rows(int32_t dtype) {
@@ -474,7 +511,7 @@ int64_t onednn_own_rows(int32_t dtype) {
     if (dtype == codes[1] && tiles_granted()) return ROWS;
 #endif
 #if defined(PANELS_F32)
-    if (dtype == codes[0]) return F32_ROWS;
+    if (dtype == codes[0]) return F32_MOST;
 #endif
     (void)dtype;
     return 0;
@@ -492,7 +529,7 @@ int32_t onednn_linear(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out,
                         TILE_WAYS, sizeof TILE_WAYS / sizeof *TILE_WAYS);
 #endif
 #if defined(PANELS_F32)
-    if (weight->blocked && dtype == codes[0] && rows >= 1 && rows <= F32_ROWS)
+    if (weight->blocked && dtype == codes[0] && rows >= 1 && rows <= F32_MOST)
         done = own_rows(x, rows, k, x_rs, out, n, dtype, sizes_of[0], weight, bias, panels_run,
                         K_BLOCKS, sizeof K_BLOCKS / sizeof *K_BLOCKS);
 #endif

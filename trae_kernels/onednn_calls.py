@@ -37,8 +37,9 @@ def _load() -> ctypes.CDLL:
     lib.onednn_linear.restype = _i32
     lib.onednn_own_rows.argtypes = [_i32]
     lib.onednn_own_rows.restype = _i64
-    if lib.onednn_own_rows(torch_shim.dtype_code(torch.float32)) not in (0, F32_ROWS):
-        raise RuntimeError("onednn_calls.c and onednn_calls.py disagree on F32_ROWS")
+    lib.onednn_found_slots.restype = _i64
+    if lib.onednn_found_slots() != F32_SLOTS:
+        raise RuntimeError("onednn_calls.c and onednn_calls.py disagree on F32_SLOTS")
     return lib
 
 
@@ -50,12 +51,15 @@ def library() -> ctypes.CDLL | None:
     return _loaded.get()
 
 
-F32_ROWS = 64  # float32 rows the panel path takes (onednn_calls.c)
+# ``Weight.found``'s length: a slot a float32 row count to 64, one for every count past it
+# (onednn_calls.c's F32_SLOTS)
+F32_SLOTS = 66
 
 
 def own_rows_limit(dtype: torch.dtype) -> int:
-    """The most rows onednn_calls.c multiplies itself in ``dtype`` here (bf16: on AMX tiles;
-    float32: in an AVX-512 build), 0 where it only calls the op or cannot be had."""
+    """The most rows onednn_calls.c multiplies itself in ``dtype`` here (bf16: 32, on AMX
+    tiles; float32: 64 in an AVX-512 build, any count in an AVX2 one, prompt rows included),
+    0 where it only calls the op or cannot be had."""
     lib = library()
     return lib.onednn_own_rows(torch_shim.dtype_code(dtype)) if lib is not None else 0
 
@@ -63,7 +67,7 @@ def own_rows_limit(dtype: torch.dtype) -> int:
 class Weight(ctypes.Structure):
     """A packed weight for the C caller (``Weight`` in onednn_calls.c)."""
 
-    _fields_ = [("handle", _ptr), ("blocked", _ptr), ("found", ctypes.c_int16 * (F32_ROWS + 1))]
+    _fields_ = [("handle", _ptr), ("blocked", _ptr), ("found", ctypes.c_int16 * F32_SLOTS)]
 
 
 # The columns of a block of the layouts onednn_calls.c reads, by dtype: bf16 [n / 32][k / 2][32][2]
@@ -73,10 +77,10 @@ _BLOCK_COLUMNS = {torch.bfloat16: 32, torch.float32: 64}
 
 def _blocked(weight: torch.Tensor) -> int | None:
     """The packed buffer's address where onednn_calls.c may read it itself: bf16 on a CPU with
-    AMX, float32 in an AVX-512 build, whole blocks of its columns (and of 32 k for the tiles),
-    and a buffer of exactly n x k elements (no padding), so that any reading stays inside it.
-    Whether the layout and order are the ones it reads, the first call at each row count
-    checks against the op (onednn_calls.c's ``own_rows``). Else None: the op."""
+    AMX, float32 in an AVX-512 or AVX2 build, whole blocks of its columns (and of 32 k for the
+    tiles), and a buffer of exactly n x k elements (no padding), so that any reading stays
+    inside it. Whether the layout and order are the ones it reads, the first call at each row
+    count checks against the op (onednn_calls.c's ``own_rows``). Else None: the op."""
     if weight.dtype not in _BLOCK_COLUMNS or not own_rows_limit(weight.dtype):
         return None
     n, k = weight.shape
@@ -121,10 +125,10 @@ _capsule_pointer.restype = ctypes.c_void_p
 
 
 class OwnRows:
-    """One packed weight as ``PackedLinear`` hands few rows to onednn_calls.c, where it
-    multiplies them itself from the packed buffer (bf16 on AMX tiles, float32 panels): the
-    op's bits without the op's ~20 us a call (a decode step's lm_head, the Python loop's
-    decode rows)."""
+    """One packed weight as ``PackedLinear`` hands rows to onednn_calls.c, where it multiplies
+    them itself from the packed buffer (bf16 on AMX tiles, float32 panels): the op's bits
+    without the op's ~20 us a call (a decode step's lm_head, the Python loop's decode rows),
+    and on AVX2 CPUs faster than the op at prompt rows too."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self._handles = WeightHandles()
