@@ -143,11 +143,12 @@ def linear_library(choice: str = "auto") -> str:
 
 
 def _avx2_panels() -> bool:
-    """Whether float32 decode rows run on our own AVX2 panels over oneDNN's layout here (a CPU
-    with AVX2 and no AVX-512: onednn_calls.c). On an EPYC of the Zen 3 generation a SmolLM2
-    step's 121 float32 linears took 21.3 against zentorch's ~26 ms at 1 row and 80 against 82
-    at 32, and oneDNN's prefill rows are ~8% faster than zentorch's (2,048 rows), so oneDNN
-    packs there; with AVX-512 (Zen 4 and newer) zentorch's measured faster and keeps them."""
+    """Whether float32 rows run on our own AVX2 panels over oneDNN's layout here (a CPU with
+    AVX2 and no AVX-512: onednn_calls.c), decode and prompt rows alike. On an EPYC of the Zen 3
+    generation a SmolLM2 step's 121 float32 linears took 21.3 against zentorch's ~26 ms at 1
+    row and 80 against 82 at 32, oneDNN's prefill rows were ~8% faster than zentorch's (2,048
+    rows) and the panels' 0.92x oneDNN's time there, so oneDNN packs; with AVX-512 (Zen 4 and
+    newer) zentorch's measured faster and keeps them."""
     return not torch.cpu._is_avx512_supported() and onednn_calls.own_rows_limit(torch.float32) > 0
 
 
