@@ -181,6 +181,15 @@ static int32_t tiles_granted(void) {
 }
 #endif
 
+#if defined(PANELS_F32)
+/* Where part ``i`` of ``total`` spread evenly over ``parts`` starts (the first total % parts
+ * parts one longer: 32 rows in 6 blocks are 6, 6, 5, 5, 5, 5); part i is [start(i), start(i+1)) */
+static inline int64_t part_start(int64_t i, int64_t total, int64_t parts) {
+    const int64_t even = total / parts, extra = total % parts;
+    return i * even + (i < extra ? i : extra);
+}
+#endif
+
 #if defined(__AVX512F__)
 #define PANEL 64 /* columns of a float32 panel: four vectors */
 #define ROW_BLOCK 6 /* rows a pass over a panel takes: 24 sums in registers */
@@ -244,12 +253,12 @@ static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
                           const float *w, int64_t n, int64_t kb, const float *bias, float *out) {
     const int64_t panels = n / PANEL, row_blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t lines = k * PANEL * 4 / 64; /* cache lines of a panel */
-    /* rows split evenly (32: 6, 6, 5, 5, 5, 5): a pass of few rows loads as much as any */
-    const int64_t even = rows / row_blocks, extra = rows % row_blocks;
+    /* rows split evenly (part_start): a pass of few rows loads as much as any */
 #pragma omp parallel for schedule(static) num_threads(omp_get_max_threads())
     for (int64_t item = 0; item < panels * row_blocks; item++) {
         const int64_t p = item / row_blocks, rb = item % row_blocks;
-        const int64_t r = even + (rb < extra), r0 = rb * even + (rb < extra ? rb : extra);
+        const int64_t r0 = part_start(rb, rows, row_blocks);
+        const int64_t r = part_start(rb + 1, rows, row_blocks) - r0;
         const char *fetch = 0;
         int64_t fetch_n = 0, per = 1;
         if (rb > 0 && p + 1 < panels) { /* this pass's share of the next panel */
@@ -376,8 +385,7 @@ static const int strip_columns[ROW_BLOCK + 1] = {0, 64, 32, 32, 16, 16, 16};
 static void chunk_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs, const float *w,
                       int64_t n, int64_t kb, const float *bias, float *out, float *copy) {
     const int64_t panels = n / PANEL, row_blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
-    const int64_t even = rows / row_blocks, extra = rows % row_blocks;
-    const int cols = strip_columns[even + (extra > 0)]; /* the largest block's */
+    const int cols = strip_columns[part_start(1, rows, row_blocks)]; /* the largest block's */
     const int64_t strips = PANEL / cols, items = panels * strips;
     const float *const xp = copy ? copy : x; /* one row is k-major already */
     /* a later pass's share of the next strip's k steps */
@@ -385,7 +393,8 @@ static void chunk_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs, con
     if (copy) {
 #pragma omp for schedule(static)
         for (int64_t rb = 0; rb < row_blocks; rb++) {
-            const int64_t r = even + (rb < extra), r0 = rb * even + (rb < extra ? rb : extra);
+            const int64_t r0 = part_start(rb, rows, row_blocks);
+            const int64_t r = part_start(rb + 1, rows, row_blocks) - r0;
             float *dst = copy + r0 * k;
             for (int64_t j = 0; j < k; j++)
                 for (int64_t i = 0; i < r; i++) dst[j * r + i] = x[(r0 + i) * x_rs + j];
@@ -398,7 +407,8 @@ static void chunk_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs, con
                                                    ((item + 1) % strips) * cols
                                              : 0;
         for (int64_t rb = 0; rb < row_blocks; rb++) {
-            const int64_t r = even + (rb < extra), r0 = rb * even + (rb < extra ? rb : extra);
+            const int64_t r0 = part_start(rb, rows, row_blocks);
+            const int64_t r = part_start(rb + 1, rows, row_blocks) - r0;
             const int64_t from = rb > 0 ? (rb - 1) * share : 0;
             const int64_t to = next && rb > 0 ? (from + share < k ? from + share : k) : 0;
             passes[r][cols / 16](xp + r0 * k, w + p * k * PANEL + c, k, kb,
@@ -413,13 +423,14 @@ static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
     /* chunks of at most ``most`` rows, spread evenly: a decode step's rows are one */
     const int64_t fit = CHUNK_BYTES / (k * (int64_t)sizeof(float));
     const int64_t most = fit > ROW_BLOCK ? fit : ROW_BLOCK;
-    const int64_t chunks = (rows + most - 1) / most, each = rows / chunks, more = rows % chunks;
+    const int64_t chunks = (rows + most - 1) / most;
     float *const copy =
-        rows > 1 ? malloc((size_t)((each + (more > 0)) * k) * sizeof(float)) : 0;
+        rows > 1 ? malloc((size_t)(part_start(1, rows, chunks) * k) * sizeof(float)) : 0;
     if (rows > 1 && !copy) return 1; /* the op answers */
 #pragma omp parallel num_threads(omp_get_max_threads())
     for (int64_t c = 0; c < chunks; c++) { /* the barriers of chunk_f32's loops keep them apart */
-        const int64_t c_rows = each + (c < more), c0 = c * each + (c < more ? c : more);
+        const int64_t c0 = part_start(c, rows, chunks);
+        const int64_t c_rows = part_start(c + 1, rows, chunks) - c0;
         chunk_f32(x + c0 * x_rs, c_rows, k, x_rs, w, n, kb, bias, out + c0 * n,
                   c_rows > 1 ? copy : 0);
     }
