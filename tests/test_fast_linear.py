@@ -151,7 +151,8 @@ def test_few_rows_multiplied_in_c_give_the_ops_bits(dtype, bias):
     torch.manual_seed(0)
     lin = nn.Linear(1104, 192, bias=bias).to(dtype)  # k past 1,024: oneDNN sums it in blocks
     packed = PackedLinear.from_linear(lin)
-    for rows in (1, 5, 32, 33, 64, 65, 300):
+    # prompt rows (300) for float32 only: bf16 rows from UPCAST_ROWS on multiply in float32
+    for rows in (1, 5, 32, 33, 64, 65) + ((300,) if dtype == torch.float32 else ()):
         x = torch.randn(rows, 1104).to(dtype)
         want = torch.ops.mkldnn._linear_pointwise(
             x, packed.packed_weight, packed.bias, "none", [], ""
