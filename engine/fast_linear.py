@@ -33,6 +33,7 @@ __all__ = [
     "lower_packed_linear",
     "pack_linears",
     "packable_dtypes",
+    "widened_dtypes",
     "zentorch_available",
 ]
 
@@ -67,6 +68,20 @@ UPCAST_ROWS = 96
 def fast_linear_available() -> bool:
     """Whether torch was built with oneDNN and can run it here (a CPU build is enough)."""
     return bool(torch.backends.mkldnn.is_available())
+
+
+def widened_dtypes() -> frozenset[torch.dtype]:
+    """Half-precision weight dtypes oneDNN cannot pack here, whose linears multiply in float32
+    instead (``PackedLinear``'s ``weight_dtype``): a bf16 model on a CPU without AVX512-BF16
+    or AMX. Its bf16 matmul there is oneDNN's reference one (~0.01-0.02 TFLOP/s on a Zen 3
+    EPYC, a 32 x 100 SmolLM2 run 27.5 tok/s, level with vLLM's bf16); the float32 product of
+    the widened rows and weights, rounded to bf16 once, is what a bf16 matmul computes, in
+    another order. bf16 weights stay bf16 where our AVX2 panels read them
+    (``onednn_calls.bf16_panels``); others are held as float32 copies, twice their size."""
+    packable = packable_dtypes()
+    if torch.float32 not in packable:
+        return frozenset()
+    return frozenset({torch.bfloat16, torch.float16}) - packable
 
 
 def packable_dtypes() -> frozenset[torch.dtype]:
@@ -170,38 +185,50 @@ class PackedLinear(nn.Module):
         super().__init__()
         if weight.dim() != 2 or weight.device.type != "cpu":
             raise ValueError("PackedLinear needs a 2-D CPU weight")
-        if weight.dtype not in packable_dtypes():
+        widened = weight.dtype in widened_dtypes()
+        if weight.dtype not in packable_dtypes() and not widened:
             raise TypeError(f"oneDNN cannot pack {weight.dtype} weights on this CPU")
         self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
+        self.dtype = weight.dtype  # what goes in and comes out
+        # what is packed and multiplied: float32 for a widened half-precision weight
+        self.weight_dtype = torch.float32 if widened else weight.dtype
         self.batch_hint = batch_hint
+        # a widened bf16 weight stays bf16 where our AVX2 panels read it: half the bytes of a
+        # float32 copy, the same product (onednn_calls.bf16_panels)
+        self.bf16_panels = (
+            widened and weight.dtype == torch.bfloat16
+            and onednn_calls.bf16_panels_take(self.out_features)
+        )  # fmt: skip
         self.library = (
             "zentorch"
-            if library == "zentorch" and weight.dtype in zentorch_dtypes() and zentorch_available()
+            if library == "zentorch" and self.weight_dtype in zentorch_dtypes()
+            and zentorch_available() and not self.bf16_panels
             else "onednn"
         )  # fmt: skip
         # A plain attribute, not a buffer: an mkldnn tensor breaks state_dict, .to() and hooks
         # that iterate buffers. The original weight is not kept, so packing costs no extra memory
         # unless someone else (a tied embedding) still holds it. zentorch's prepacked weight is
         # a dense tensor in its own blocked order, held the same way.
-        if self.library == "zentorch":
-            self.packed_weight = torch.ops.zentorch.zentorch_weight_prepack_for_linear(
-                weight.detach().contiguous()
-            )
+        if self.bf16_panels:
+            self.packed_weight = onednn_calls.bf16_panels_of(weight)
         else:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(
-                weight.detach().contiguous(), batch_hint
-            )
+            source = weight.detach().to(self.weight_dtype).contiguous()
+            if self.library == "zentorch":
+                prepack = torch.ops.zentorch.zentorch_weight_prepack_for_linear
+                self.packed_weight = prepack(source)
+            else:
+                self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(source, batch_hint)
         # Half-precision weights keep their plain tensor too (a view of the mapped file where
         # the dtype on disk is the served one): large row counts multiply in float32 from it.
         self.plain_weight = (
-            weight.detach() if weight.dtype in (torch.bfloat16, torch.float16) and upcast_large
+            weight.detach()
+            if self.weight_dtype in (torch.bfloat16, torch.float16) and upcast_large
             else None
         )  # fmt: skip
         self._own_rows: onednn_calls.OwnRows | bool | None = False  # False: not looked up yet
         # The bias stays a dense tensor (the op takes it as is); a buffer so .to()/state_dict see it.
         self.register_buffer(
-            "bias", None if bias is None else bias.detach().to(weight.dtype).contiguous()
+            "bias", None if bias is None else bias.detach().to(self.weight_dtype).contiguous()
         )
 
     @classmethod
@@ -210,6 +237,18 @@ class PackedLinear(nn.Module):
     ) -> PackedLinear:
         """Pack an existing ``nn.Linear`` (its weight is read, not modified)."""
         return cls(linear.weight, linear.bias, batch_hint)
+
+    @property
+    def widened(self) -> bool:
+        """Whether a half-precision weight is held and multiplied as float32 (widened_dtypes)."""
+        return self.weight_dtype != self.dtype
+
+    def widening(self) -> str:
+        """How a widened weight is held, for ``trae model info``."""
+        name = str(self.dtype).removeprefix("torch.")
+        if self.bf16_panels:
+            return f"{name} weights on our AVX2 panels, summed in float32"
+        return f"{name} weights held as float32"
 
     def held_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The packed weight, for memory accounting (engine/memory.py): it is no buffer."""
@@ -222,6 +261,16 @@ class PackedLinear(nn.Module):
         compiling = torch.compiler.is_compiling()
         if not compiling and x.dtype != self.dtype:
             raise TypeError(f"PackedLinear holds {self.dtype} weights but got {x.dtype} input")
+        if self.bf16_panels:  # bf16 rows in and out, float32 sums (onednn_calls.bf16_panels)
+            rows = x.reshape(-1, self.in_features)
+            out = onednn_calls.bf16_panels(rows, self.packed_weight, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
+        if self.widened:  # float32 rows, the product rounded back once
+            return self._multiply(x.to(self.weight_dtype), compiling).to(self.dtype)
+        return self._multiply(x, compiling)
+
+    def _multiply(self, x: torch.Tensor, compiling: bool) -> torch.Tensor:
+        """``x @ W.T + b`` with x already in ``weight_dtype``."""
         if self.library == "zentorch":
             if x.numel() == 0:  # the kernel logs an error on an empty input
                 return x.new_empty((*x.shape[:-1], self.out_features))
@@ -245,7 +294,8 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, dtype={self.dtype}, batch_hint={self.batch_hint}, "
+            f"bias={self.bias is not None}, dtype={self.dtype}, "
+            f"weight_dtype={self.weight_dtype}, batch_hint={self.batch_hint}, "
             f"library={self.library}"
         )
 
@@ -327,7 +377,7 @@ def pack_linears(
     is unavailable, leaving the model as it was. ``library`` "zentorch" (as resolved by
     ``linear_library``) prepacks float32 weights for zentorch instead of oneDNN.
     """
-    dtypes = packable_dtypes()
+    dtypes = packable_dtypes() | widened_dtypes()
     if not dtypes:
         return 0
     upcast = upcast_pays() if upcast_large is None else upcast_large

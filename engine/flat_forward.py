@@ -367,12 +367,12 @@ def _norms_for(projection: nn.Module) -> tuple[Callable, Callable]:
     measured). zentorch's took 61 norms of a SmolLM2 step in 0.49 against
     1.53 ms at 1 row, 3.7 against 14.6 at 512 (bf16, Zen 4), and 0.32 against 0.84 ms at 2
     rows, 10 against 62 at 2,048 on an Intel Xeon with AMX (bench/zentorch_linear.py)."""
-    from trae_groups.engine.fast_linear import PackedLinear, zentorch_available
+    from trae_groups.engine.fast_linear import PackedLinear, zentorch_available, zentorch_dtypes
 
     packed = isinstance(projection, PackedLinear) and not torch.compiler.is_compiling()
     if packed and cpu_native.norms(projection.dtype):  # ours, in AVX2 builds: see cpu_paged.c
         return _native_rms_norm, _native_add_rms_norm
-    if packed and zentorch_available():
+    if packed and zentorch_available() and projection.dtype in zentorch_dtypes():
         return _zen_rms_norm, _zen_add_rms_norm
     return _rms_norm, _add_rms_norm
 
@@ -416,8 +416,11 @@ def forward_path(model: nn.Module) -> str:
     ``trae model info`` and logs."""
     from trae_groups.engine.fast_linear import PackedLinear
 
-    libraries = sorted({m.library for m in model.modules() if isinstance(m, PackedLinear)})
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    libraries = sorted({m.library for m in linears})
     packed = f"; linears: {'+'.join(libraries)}" if libraries else ""
+    widened = sorted({m.widening() for m in linears if m.widened})
+    packed += f" ({'; '.join(widened)})" if widened else ""
     flat = flat_forward_of(model)
     if flat is not None:
         native = "; layer loop: native" if native_layers.takes_model(flat) else ""

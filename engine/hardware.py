@@ -58,15 +58,17 @@ class Hardware:
         return self.bf16_matrix_units or amd_bf16
 
     def slow_dtype(self, dtype: torch.dtype) -> str | None:
-        """Why ``dtype`` runs far slower than float32 here, or None: bf16 on a CPU without
-        AVX512-BF16 or AMX gets oneDNN's reference bf16 matmul (0.01-0.02 TFLOP/s against
-        ~130 GFLOP/s in float32 on an AVX2-only Zen 3 EPYC). ``dtype: auto`` never picks it
+        """Why ``dtype`` runs slower than float32 here, or None: bf16 on a CPU without
+        AVX512-BF16 or AMX, where oneDNN's bf16 matmul is its reference one (0.01-0.02
+        TFLOP/s against ~130 GFLOP/s in float32 on an AVX2-only Zen 3 EPYC), so its linears
+        multiply in float32 (``fast_linear.widened_dtypes``) beside torch's bf16 norms and
+        attention, and the native layer loop does not take it. ``dtype: auto`` never picks it
         there; an explicit bfloat16 is said at start-up."""
         if self.device == "cpu" and dtype == torch.bfloat16 and not self.bf16_math:
             return (
                 f"{self.describe()}: bfloat16 matmuls have no hardware path on this CPU "
-                "(no AVX512-BF16 or AMX) and run many times slower than float32; "
-                "dtype: auto or float32 serves faster"
+                "(no AVX512-BF16 or AMX); its linears multiply in float32 and dtype: auto "
+                "(float32) serves faster"
             )
         return None
 

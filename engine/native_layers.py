@@ -158,7 +158,7 @@ def takes_model(flat) -> bool:
     return (
         zen_layers.step_kind(dtype) is not None
         and zen_layers.linear_library(library) is not None
-        and all(m.library == library and m.dtype == dtype for m in linears)
+        and all(m.library == library and m.dtype == m.weight_dtype == dtype for m in linears)
     )
 
 

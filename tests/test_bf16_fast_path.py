@@ -9,13 +9,14 @@ from test_kernels import make_case
 
 from trae_groups.engine.config import EngineConfig
 from trae_groups.engine.engine import LLMEngine
-from trae_groups.engine.fast_linear import packable_dtypes
+from trae_groups.engine.fast_linear import packable_dtypes, widened_dtypes
 from trae_groups.engine.protocol import GenerateRequest
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.kernels import naive_attention, paged_attention, store_kv
 
+# packed as bf16 (AVX512-BF16/AMX) or widened to float32 (fast_linear.widened_dtypes)
 needs_bf16_packing = pytest.mark.skipif(
-    torch.bfloat16 not in packable_dtypes(), reason="this CPU has no AVX512-BF16/AMX"
+    torch.bfloat16 not in packable_dtypes() | widened_dtypes(), reason="oneDNN packs no linears"
 )
 
 
@@ -70,3 +71,47 @@ def test_bf16_packed_linears_match_bf16_eager(llama_dir):
         assert bool(agree[same & clear].all())  # the same greedy token wherever it is clear
         same &= agree
     assert bool(same.any())  # at least one sequence was compared to the end
+
+
+@pytest.mark.skipif(
+    torch.bfloat16 not in widened_dtypes(), reason="this CPU packs bf16 weights as they are"
+)
+def test_a_bf16_model_without_bf16_matmuls_holds_and_reports_its_widened_linears(llama_dir):
+    """Without AVX512-BF16 or AMX a bf16 model's linears multiply in float32: from bf16 panels
+    where our AVX2 ones take the weight, else from float32 copies. The memory report counts
+    what is held and ``trae model info`` says which."""
+    from trae_groups.engine.fast_linear import PackedLinear
+
+    config = EngineConfig(dtype="bfloat16", pool_bytes=8 << 20)
+    with LLMEngine({"m": llama_dir}, config) as eng:
+        held = eng.store.report()[0]
+        linears = [m for m in eng.llms["m"].model.modules() if isinstance(m, PackedLinear)]
+        outs = eng.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert linears and all(m.widened and m.dtype == torch.bfloat16 for m in linears)
+    for m in linears:
+        size = 2 if m.bf16_panels else 4
+        assert m.packed_weight.nbytes == size * m.in_features * m.out_features
+    assert held.bytes >= sum(m.packed_weight.nbytes for m in linears)
+    ways = {m.widening() for m in linears}
+    assert held.forward.endswith(f"({'; '.join(sorted(ways))})")
+    assert len(outs[0].token_ids) == 4
+
+
+@pytest.mark.skipif(
+    torch.bfloat16 not in widened_dtypes(), reason="this CPU packs bf16 weights as they are"
+)
+def test_compile_leaves_a_model_on_bf16_panels_eager(llama_dir, caplog):
+    """The bf16 panels are a C call inductor cannot trace: ``compile=True`` says so and the
+    model's decode stays eager (and serves)."""
+    import logging
+
+    config = EngineConfig(dtype="bfloat16", pool_bytes=8 << 20, compile=True)
+    with caplog.at_level(logging.WARNING), LLMEngine({"m": llama_dir}, config) as eng:
+        runner = eng.llms["m"].runner
+        panels = any(getattr(m, "bf16_panels", False) for m in runner.model.modules())
+        outs = eng.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))
+    if not panels:
+        pytest.skip("no linear of this model is on the bf16 panels here")
+    assert runner.compiled is None
+    assert "bf16 weights on our AVX2 panels" in caplog.text
+    assert len(outs[0].token_ids) == 4

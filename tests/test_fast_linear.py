@@ -22,6 +22,7 @@ from trae_groups.engine.fast_linear import (
     linear_library,
     pack_linears,
     packable_dtypes,
+    widened_dtypes,
     zentorch_available,
 )
 from trae_groups.kernels import onednn_calls
@@ -222,6 +223,80 @@ def test_bf16_rows_past_the_upcast_threshold_match_float32(rows):
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=1e-2)
     # the plain weight the large rows read is held, so memory accounting counts it
     assert [name for name, _ in packed.held_tensors()] == ["packed_weight", "plain_weight"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_features", [256, 200])
+def test_widened_weights_give_the_float32_product_rounded_once(dtype, bias, out_features):
+    """Where oneDNN has no fast matmul for a half-precision dtype (bf16 without AVX512-BF16 or
+    AMX), the linear multiplies in float32: rows of any count give the float32 linear's product
+    of the same values, bit for bit, rounded to the dtype once. A bf16 weight of whole panels
+    (256 outputs) stays bf16 where our AVX2 panels read it; otherwise a float32 copy is held."""
+    if dtype not in widened_dtypes():
+        pytest.skip(f"{dtype} weights are packed as they are on this CPU")
+    torch.manual_seed(0)
+    lin = nn.Linear(1104, out_features, bias=bias).to(dtype)
+    packed = PackedLinear.from_linear(lin)
+    wide = PackedLinear(lin.weight.float(), None if lin.bias is None else lin.bias.float())
+    assert (packed.dtype, packed.weight_dtype, packed.widened) == (dtype, torch.float32, True)
+    panels = dtype == torch.bfloat16 and onednn_calls.bf16_panels_take(out_features)
+    assert packed.bf16_panels == panels
+    assert out_features % 64 == 0 or not panels
+    assert [name for name, _ in packed.held_tensors()] == ["packed_weight"]
+    assert packed.packed_weight.dtype == (torch.bfloat16 if panels else torch.float32)
+    for rows in (1, 7, 65, 300):
+        x = torch.randn(rows, 1104).to(dtype)
+        with torch.no_grad():
+            got, want = packed(x.view(1, rows, -1))[0], wide(x.float()).to(dtype)
+            assert got.dtype == dtype
+            # the bf16 panels sum k in blocks of 1,024, the k block oneDNN's float32 kernels
+            # took on the AVX2 EPYC; where the op's proof found another, only the values agree
+            if not panels or _k_block_found(wide, rows) == 1024:
+                assert torch.equal(got, want), rows
+            reference = F.linear(
+                x.float(), lin.weight.float(), None if not bias else lin.bias.float()
+            )
+        torch.testing.assert_close(got.float(), reference, atol=0.1, rtol=0.02)
+    with pytest.raises(TypeError):
+        packed(torch.randn(2, 1104))  # float32 rows into a half-precision model's linear
+
+
+def _k_block_found(packed: PackedLinear, rows: int) -> int:
+    """The k block the float32 panels proved at this row count (onednn_calls.c's ``found``)."""
+    own = packed._own_rows
+    if not own:
+        return 0
+    return own._handles._weights[-1].found[min(rows, onednn_calls.F32_SLOTS - 1)]
+
+
+@pytest.mark.skipif(not onednn_calls.bf16_panels_take(64), reason="no AVX2 build's bf16 panels")
+def test_bf16_panels_give_each_row_the_same_bits_whatever_rows_come_with_it():
+    """The bf16 panels' product of a row does not depend on the rows beside it (chunks of 2 MB
+    of rows, blocks of 6) or on the row stride, and is the float32 product rounded once."""
+    torch.manual_seed(0)
+    weight = torch.randn(128, 1536).bfloat16()
+    panels = onednn_calls.bf16_panels_of(weight)
+    assert panels.shape == (2, 1536, 64)
+    x = torch.randn(700, 1536).bfloat16()  # a copy of 700 rows at k 1,536 spans two chunks
+    bias = torch.randn(128)
+    every = onednn_calls.bf16_panels(x, panels, bias)
+    assert every.dtype == torch.bfloat16
+    for rows in (slice(0, 1), slice(3, 10), slice(0, 64), slice(600, 700)):
+        assert torch.equal(onednn_calls.bf16_panels(x[rows], panels, bias), every[rows])
+    apart = torch.cat((x, x), dim=1)[:, :1536]  # rows 3,072 apart: the row stride is honoured
+    assert torch.equal(onednn_calls.bf16_panels(apart, panels, bias), every)
+    want = (x.float() @ weight.float().T + bias).bfloat16()
+    torch.testing.assert_close(every.float(), want.float(), atol=0.05, rtol=0.02)
+    with pytest.raises(ValueError):
+        onednn_calls.bf16_panels(x.float(), panels, None)
+
+
+def test_widened_dtypes_are_the_half_precisions_onednn_cannot_pack():
+    assert widened_dtypes() == ({torch.bfloat16, torch.float16} - packable_dtypes())
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4)).to(torch.bfloat16)
+    assert pack_linears(model) == 2  # packed as they are, or widened
+    assert all(m.widened == (torch.bfloat16 in widened_dtypes()) for m in model)
 
 
 def test_float32_keeps_no_plain_weight():

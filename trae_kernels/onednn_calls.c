@@ -33,6 +33,11 @@
  * its k blocks at other large counts was checked at 65-2,048 rows on SmolLM2's shapes (its
  * float32 kernels on that EPYC sum k in blocks of 1,024 from 2 rows), and each row's sums here
  * do not depend on how many rows come with it.
+ *
+ * AVX2 builds also multiply bf16 models' linears on CPUs without bf16 matmuls (no AVX512-BF16 or
+ * AMX: oneDNN's bf16 matmul is its reference kernel there) from bf16 panels of our own, with the
+ * same passes (onednn_bf16_panels): no op and no proof, since the product is defined as the
+ * float32 one of the widened values, which the tests check against the float32 op.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -304,16 +309,41 @@ static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
 #define AHEAD 32 /* k a first pass fetches ahead of itself (8 KB) */
 #define CHUNK_BYTES (2 << 20) /* the most of the rows copied and multiplied at a time */
 
-/* k steps of R packed rows (xp) by V vectors of a strip (b), summed into ``sum``; PREFETCH runs
- * once a step (j the step) */
-#define STEPS(R, V, NAME, PREFETCH)                                                                \
-    static inline __attribute__((always_inline)) void steps_##R##_##V##_##NAME(                   \
-        const float *xp, const float *b, int64_t n_steps, const char *fetch, __m256 sum[R][V]) {   \
+/* 8 weights of a panel as float32: float32 as they are, bf16 widened exactly (its bits are
+ * the top half of a float32's) */
+static inline __m256 load_float(const float *b) { return _mm256_loadu_ps(b); }
+static inline __m256 load_bf16(const uint16_t *b) {
+    const __m128i half = _mm_loadu_si128((const __m128i *)b);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+static inline float widen_bf16(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+/* 8 float32 rounded to bf16 as torch rounds them: to nearest, ties to even (NaN: 0x7fc0) */
+static inline void store_bf16(uint16_t *to, __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
+    const __m256i pairs = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128((__m128i *)to, _mm256_castsi256_si128(pairs));
+}
+
+/* k steps of R packed rows (xp) by V vectors of a strip (b, weights of type T), summed into
+ * ``sum``; PREFETCH runs once a step (j the step) */
+#define STEPS(R, V, T, NAME, PREFETCH)                                                             \
+    static inline __attribute__((always_inline)) void steps_##R##_##V##_##T##_##NAME(             \
+        const float *xp, const T *b, int64_t n_steps, const char *fetch, __m256 sum[R][V]) {       \
         (void)fetch;                                                                               \
         _Pragma("GCC unroll 4") for (int64_t j = 0; j < n_steps; j++) {                           \
             PREFETCH;                                                                              \
             __m256 w[V];                                                                           \
-            for (int v = 0; v < V; v++) w[v] = _mm256_loadu_ps(b + j * PANEL + 8 * v);             \
+            for (int v = 0; v < V; v++) w[v] = load_##T(b + j * PANEL + 8 * v);                    \
             for (int r = 0; r < R; r++) {                                                          \
                 const __m256 a = _mm256_broadcast_ss(xp + j * R + r);                              \
                 for (int v = 0; v < V; v++) sum[r][v] = _mm256_fmadd_ps(a, w[v], sum[r][v]);       \
@@ -326,13 +356,14 @@ static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
  * fetches the k steps [f_from, f_to) of the next strip (``fetch``) meanwhile: a line a step,
  * the hardware's prefetcher taking the rest of a wider strip (one row's 4 lines: 0.92-0.97x
  * the time of fetching all 4). */
-#define PASS(R, V)                                                                                 \
-    STEPS(R, V, ahead, _mm_prefetch(fetch + j * PANEL * 4, _MM_HINT_T0))                           \
-    STEPS(R, V, next, _mm_prefetch(fetch + j * PANEL * 4, _MM_HINT_T1))                            \
-    STEPS(R, V, none, )                                                                            \
-    static void pass_##R##_##V(const float *xp, const float *strip, int64_t k, int64_t kb,         \
-                               const float *bias, float *out, int64_t n, int first,                \
-                               const char *fetch, int64_t f_from, int64_t f_to) {                  \
+#define PASS(R, V, T)                                                                              \
+    STEPS(R, V, T, ahead, _mm_prefetch(fetch + j * PANEL * sizeof(T), _MM_HINT_T0))                \
+    STEPS(R, V, T, next, _mm_prefetch(fetch + j * PANEL * sizeof(T), _MM_HINT_T1))                 \
+    STEPS(R, V, T, none, )                                                                         \
+    static void pass_##R##_##V##_##T(const float *xp, const void *strip_of, int64_t k, int64_t kb, \
+                                     const float *bias, void *out, int64_t n, int out_bf16,        \
+                                     int first, const char *fetch, int64_t f_from, int64_t f_to) { \
+        const T *strip = strip_of;                                                                 \
         __m256 sum[R][V], total[R][V];                                                             \
         if (first) {                                                                               \
             fetch = (const char *)(strip + AHEAD * PANEL); /* past the end too: a hint */          \
@@ -345,14 +376,14 @@ static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
             const int64_t j1 = j0 + kb < k ? j0 + kb : k;                                          \
             const int64_t a = f_from < j0 ? j0 : f_from > j1 ? j1 : f_from;                        \
             const int64_t b = f_to < a ? a : f_to > j1 ? j1 : f_to;                                \
-            steps_##R##_##V##_none(xp + j0 * R, strip + j0 * PANEL, a - j0, 0, sum);               \
+            steps_##R##_##V##_##T##_none(xp + j0 * R, strip + j0 * PANEL, a - j0, 0, sum);         \
             if (first)                                                                             \
-                steps_##R##_##V##_ahead(xp + a * R, strip + a * PANEL, b - a,                      \
-                                        fetch + a * PANEL * 4, sum);                               \
+                steps_##R##_##V##_##T##_ahead(xp + a * R, strip + a * PANEL, b - a,                \
+                                              fetch + a * PANEL * sizeof(T), sum);                 \
             else                                                                                   \
-                steps_##R##_##V##_next(xp + a * R, strip + a * PANEL, b - a,                       \
-                                       fetch + a * PANEL * 4, sum);                                \
-            steps_##R##_##V##_none(xp + b * R, strip + b * PANEL, j1 - b, 0, sum);                 \
+                steps_##R##_##V##_##T##_next(xp + a * R, strip + a * PANEL, b - a,                 \
+                                             fetch + a * PANEL * sizeof(T), sum);                  \
+            steps_##R##_##V##_##T##_none(xp + b * R, strip + b * PANEL, j1 - b, 0, sum);           \
             for (int r = 0; r < R; r++)                                                            \
                 for (int v = 0; v < V; v++)                                                        \
                     total[r][v] = j0 ? _mm256_add_ps(total[r][v], sum[r][v]) : sum[r][v];          \
@@ -361,33 +392,52 @@ static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
             for (int v = 0; v < V; v++) {                                                          \
                 __m256 t = total[r][v];                                                            \
                 if (bias) t = _mm256_add_ps(t, _mm256_loadu_ps(bias + v * 8));                     \
-                _mm256_storeu_ps(out + r * n + v * 8, t);                                          \
+                if (out_bf16)                                                                      \
+                    store_bf16((uint16_t *)out + r * n + v * 8, t);                                \
+                else                                                                               \
+                    _mm256_storeu_ps((float *)out + r * n + v * 8, t);                             \
             }                                                                                      \
     }
-PASS(1, 8)
-PASS(2, 4)
-PASS(3, 4)
-PASS(3, 2)
-PASS(4, 2)
-PASS(5, 2)
-PASS(6, 2)
-typedef void (*pass_fn)(const float *, const float *, int64_t, int64_t, const float *, float *,
-                        int64_t, int, const char *, int64_t, int64_t);
-/* [rows][vectors / 2]: the pass of a block of that many rows over a strip of 8 x vectors
- * columns (a block of 3 beside blocks of 4 takes the strip of 2 vectors theirs do) */
-static const pass_fn passes[ROW_BLOCK + 1][5] = {
-    {0}, {0, 0, 0, 0, pass_1_8}, {0, 0, pass_2_4}, {0, pass_3_2, pass_3_4},
-    {0, pass_4_2}, {0, pass_5_2}, {0, pass_6_2}};
+typedef uint16_t bf16;
+#define PASSES(T)                                                                                  \
+    PASS(1, 8, T)                                                                                  \
+    PASS(2, 4, T)                                                                                  \
+    PASS(3, 4, T)                                                                                  \
+    PASS(3, 2, T)                                                                                  \
+    PASS(4, 2, T)                                                                                  \
+    PASS(5, 2, T)                                                                                  \
+    PASS(6, 2, T)                                                                                  \
+    /* [rows][vectors / 2]: the pass of a block of that many rows over a strip of 8 x vectors    \
+     * columns (a block of 3 beside blocks of 4 takes the strip of 2 vectors theirs do) */        \
+    static const pass_fn passes_##T[ROW_BLOCK + 1][5] = {                                          \
+        {0},                        {0, 0, 0, 0, pass_1_8_##T}, {0, 0, pass_2_4_##T},              \
+        {0, pass_3_2_##T, pass_3_4_##T}, {0, pass_4_2_##T},     {0, pass_5_2_##T},                 \
+        {0, pass_6_2_##T}};
+typedef void (*pass_fn)(const float *, const void *, int64_t, int64_t, const float *, void *,
+                        int64_t, int, int, const char *, int64_t, int64_t);
+PASSES(float)
+PASSES(bf16)
 static const int strip_columns[ROW_BLOCK + 1] = {0, 64, 32, 32, 16, 16, 16};
 
-/* One chunk of rows (``rows`` of x into ``out``) inside panels_f32's parallel region: copied
- * k-major by blocks into ``copy``, then every row block over one strip before the next strip */
-static void chunk_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs, const float *w,
-                      int64_t n, int64_t kb, const float *bias, float *out, float *copy) {
+/* A weight's panels [n / 64][k][64]: float32 ones oneDNN packed, or bf16 ones of ours */
+typedef struct {
+    const void *at;
+    size_t elem;                  /* bytes a weight */
+    const pass_fn (*passes)[5];   /* passes_float or passes_bf16 */
+} Panels;
+
+/* One chunk of rows (``rows`` of x into ``out``, both bf16 where ``bf16_io``) inside
+ * panels_f32's parallel region: copied k-major by blocks into ``copy`` (widened to float32),
+ * then every row block over one strip before the next strip */
+static void chunk_f32(const void *x, int64_t rows, int64_t k, int64_t x_rs, Panels w,
+                      int64_t n, int64_t kb, const float *bias, void *out, int bf16_io,
+                      float *copy) {
     const int64_t panels = n / PANEL, row_blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
     const int cols = strip_columns[part_start(1, rows, row_blocks)]; /* the largest block's */
     const int64_t strips = PANEL / cols, items = panels * strips;
-    const float *const xp = copy ? copy : x; /* one row is k-major already */
+    const float *const xp = copy ? copy : x; /* one float32 row is k-major already */
+    const size_t out_elem = bf16_io ? sizeof(bf16) : sizeof(float);
+    const char *const at = w.at;
     /* a later pass's share of the next strip's k steps */
     const int64_t share = row_blocks > 1 ? (k + row_blocks - 2) / (row_blocks - 1) : 0;
     if (copy) {
@@ -396,46 +446,70 @@ static void chunk_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs, con
             const int64_t r0 = part_start(rb, rows, row_blocks);
             const int64_t r = part_start(rb + 1, rows, row_blocks) - r0;
             float *dst = copy + r0 * k;
-            for (int64_t j = 0; j < k; j++)
-                for (int64_t i = 0; i < r; i++) dst[j * r + i] = x[(r0 + i) * x_rs + j];
+            if (bf16_io) {
+                const bf16 *from = (const bf16 *)x + r0 * x_rs;
+                for (int64_t j = 0; j < k; j++)
+                    for (int64_t i = 0; i < r; i++) dst[j * r + i] = widen_bf16(from[i * x_rs + j]);
+            } else {
+                const float *from = (const float *)x + r0 * x_rs;
+                for (int64_t j = 0; j < k; j++)
+                    for (int64_t i = 0; i < r; i++) dst[j * r + i] = from[i * x_rs + j];
+            }
         }
     }
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < items; item++) {
         const int64_t p = item / strips, c = (item % strips) * cols;
-        const float *next = item + 1 < items ? w + ((item + 1) / strips) * k * PANEL +
-                                                   ((item + 1) % strips) * cols
-                                             : 0;
+        const char *next = item + 1 < items ? at + (((item + 1) / strips) * k * PANEL +
+                                                    ((item + 1) % strips) * cols) * w.elem
+                                            : 0;
         for (int64_t rb = 0; rb < row_blocks; rb++) {
             const int64_t r0 = part_start(rb, rows, row_blocks);
             const int64_t r = part_start(rb + 1, rows, row_blocks) - r0;
             const int64_t from = rb > 0 ? (rb - 1) * share : 0;
             const int64_t to = next && rb > 0 ? (from + share < k ? from + share : k) : 0;
-            passes[r][cols / 16](xp + r0 * k, w + p * k * PANEL + c, k, kb,
-                                 bias ? bias + p * PANEL + c : 0, out + r0 * n + p * PANEL + c, n,
-                                 rb == 0, (const char *)next, from, to);
+            w.passes[r][cols / 16](xp + r0 * k, at + (p * k * PANEL + c) * w.elem, k, kb,
+                                   bias ? bias + p * PANEL + c : 0,
+                                   (char *)out + (r0 * n + p * PANEL + c) * out_elem, n, bf16_io,
+                                   rb == 0, next, from, to);
         }
     }
 }
 
-static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
-                          const float *w, int64_t n, int64_t kb, const float *bias, float *out) {
+static int32_t panels_f32(const void *x, int64_t rows, int64_t k, int64_t x_rs, Panels w,
+                          int64_t n, int64_t kb, const float *bias, void *out, int bf16_io) {
     /* chunks of at most ``most`` rows, spread evenly: a decode step's rows are one */
     const int64_t fit = CHUNK_BYTES / (k * (int64_t)sizeof(float));
     const int64_t most = fit > ROW_BLOCK ? fit : ROW_BLOCK;
     const int64_t chunks = (rows + most - 1) / most;
+    const int copied = rows > 1 || bf16_io, elem = bf16_io ? sizeof(bf16) : sizeof(float);
     float *const copy =
-        rows > 1 ? malloc((size_t)(part_start(1, rows, chunks) * k) * sizeof(float)) : 0;
-    if (rows > 1 && !copy) return 1; /* the op answers */
+        copied ? malloc((size_t)(part_start(1, rows, chunks) * k) * sizeof(float)) : 0;
+    if (copied && !copy) return 1; /* the op answers */
 #pragma omp parallel num_threads(omp_get_max_threads())
     for (int64_t c = 0; c < chunks; c++) { /* the barriers of chunk_f32's loops keep them apart */
         const int64_t c0 = part_start(c, rows, chunks);
         const int64_t c_rows = part_start(c + 1, rows, chunks) - c0;
-        chunk_f32(x + c0 * x_rs, c_rows, k, x_rs, w, n, kb, bias, out + c0 * n,
-                  c_rows > 1 ? copy : 0);
+        chunk_f32((const char *)x + c0 * x_rs * elem, c_rows, k, x_rs, w, n, kb, bias,
+                  (char *)out + c0 * n * elem, bf16_io, c_rows > 1 || bf16_io ? copy : 0);
     }
     free(copy);
     return 0;
+}
+
+/* bf16 rows times bf16 panels of ours, [n / 64][k][64] (n a multiple of 64), into bf16 out
+ * [rows, n]: a bf16 model's linear on a CPU without bf16 matmuls (fast_linear.py's widened
+ * weights), its weights held at half float32's size and read at half its bandwidth. Rows and
+ * weights are widened exactly, summed in float32 in the order of the float32 panels with k
+ * blocks of BF16_KB (oneDNN's on the AVX2 EPYC), the bias (float32, or NULL) added and the
+ * sum rounded to bf16 once: what the float32 op gives from the widened rows and weights there,
+ * rounded as torch rounds. 0 when done, 1 when there was no memory for the copy of the rows. */
+#define BF16_KB 1024
+int32_t onednn_bf16_panels(const uint16_t *x, int64_t rows, int64_t k, int64_t x_rs,
+                           const uint16_t *w, int64_t n, const float *bias, uint16_t *out) {
+    if (rows < 1 || n % PANEL) return -1;
+    const Panels panels = {w, sizeof(bf16), passes_bf16};
+    return panels_f32(x, rows, k, x_rs, panels, n, BF16_KB, bias, out, 1);
 }
 #endif
 
@@ -505,7 +579,12 @@ static const int16_t TILE_WAYS[1] = {1};
 #if defined(PANELS_F32)
 static int32_t panels_run(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out, int64_t n,
                           const Weight *w, void *bias, int16_t k_block) {
+#if defined(__AVX512F__)
     return panels_f32(x, rows, k, x_rs, w->blocked, n, k_block, bias, out);
+#else
+    const Panels panels = {w->blocked, sizeof(float), passes_float};
+    return panels_f32(x, rows, k, x_rs, panels, n, k_block, bias, out, 0);
+#endif
 }
 /* oneDNN's k blocks: on an Intel Xeon with AMX 512, or 1,024 from 2 rows where k > 1,024; on
  * an AVX2-only EPYC 1,024. A whole k in one sum last (32,767: past any k a weight here has). */

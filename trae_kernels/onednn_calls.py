@@ -4,6 +4,8 @@ native layer loop's linear where oneDNN packs the weights (Intel CPUs: AMX or AV
 The C function takes the packed weight as a tensor handle: ``WeightHandles`` makes them, one
 per weight, and releases them with itself. Built on first use like ``cpu_native``'s kernels;
 where it cannot be had (no C compiler, torch without oneDNN) the layer loop stays in Python.
+AVX2 builds also multiply bf16 weights of their own layout (``bf16_panels``): a bf16 model's
+linears on a CPU without bf16 matmuls.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def _load() -> ctypes.CDLL:
     lib.onednn_own_rows.argtypes = [_i32]
     lib.onednn_own_rows.restype = _i64
     lib.onednn_found_slots.restype = _i64
+    if hasattr(lib, "onednn_bf16_panels"):  # AVX2 builds
+        lib.onednn_bf16_panels.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr]
+        lib.onednn_bf16_panels.restype = _i32
     if lib.onednn_found_slots() != F32_SLOTS:
         raise RuntimeError("onednn_calls.c and onednn_calls.py disagree on F32_SLOTS")
     return lib
@@ -164,4 +169,42 @@ def linear(
     )  # fmt: skip
     if err:
         raise RuntimeError(f"oneDNN's linear failed (error {err})")
+    return out
+
+
+# Columns of a panel of ``bf16_panels`` (onednn_calls.c's PANEL)
+PANEL = 64
+
+
+def bf16_panels_take(out_features: int) -> bool:
+    """Whether ``bf16_panels`` multiplies a bf16 weight of this many outputs here: AVX2 builds
+    (a CPU with AVX2 and no AVX-512), whole panels of 64 columns."""
+    lib = library()
+    return lib is not None and hasattr(lib, "onednn_bf16_panels") and out_features % PANEL == 0
+
+
+def bf16_panels_of(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [n, k] laid out as the panels ``bf16_panels`` reads: [n / 64][k][64]."""
+    n, k = weight.shape
+    return weight.detach().reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def bf16_panels(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [rows, k] (bf16) @ W.T + bias`` from ``bf16_panels_of(W)``, summed in float32 and
+    rounded to bf16 once: the bits of the float32 panels over x and W widened, rounded as
+    torch rounds, at half their weight bytes. ``bias`` is float32 or None."""
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError("the bf16 panels take a bf16 matrix")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n = panels.shape[0] * PANEL
+    out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
+    if x.shape[0] == 0:
+        return out
+    err = _loaded.get().onednn_bf16_panels(
+        x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), panels.data_ptr(), n,
+        None if bias is None else bias.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    if err:
+        raise MemoryError("the bf16 panels found no memory for their copy of the rows")
     return out
