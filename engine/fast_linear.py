@@ -263,7 +263,8 @@ class PackedLinear(nn.Module):
             raise TypeError(f"PackedLinear holds {self.dtype} weights but got {x.dtype} input")
         if self.bf16_panels:  # bf16 rows in and out, float32 sums (onednn_calls.bf16_panels)
             rows = x.reshape(-1, self.in_features)
-            out = onednn_calls.bf16_panels(rows, self.packed_weight, self.bias)
+            multiply = torch.ops.trae.bf16_panels if compiling else onednn_calls.bf16_panels
+            out = multiply(rows, self.packed_weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.widened:  # float32 rows, the product rounded back once
             return self._multiply(x.to(self.weight_dtype), compiling).to(self.dtype)
@@ -315,6 +316,19 @@ def _packed_linear_op(
 @_packed_linear_op.register_fake
 def _(x, weight, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.custom_op("trae::bf16_panels", mutates_args=())
+def _bf16_panels_op(
+    x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The bf16 panels as an op a compiled graph calls (eager calls them directly)."""
+    return onednn_calls.bf16_panels(x, panels, bias)
+
+
+@_bf16_panels_op.register_fake
+def _(x, panels, bias):
+    return x.new_empty((x.shape[0], panels.shape[0] * onednn_calls.PANEL))
 
 
 _lowered = False

@@ -335,9 +335,6 @@ class LLMRunner:
                 self.backend.name,
             )
             return 0.0
-        if any(getattr(m, "bf16_panels", False) for m in self.model.modules()):
-            log.warning("compile: bf16 weights on our AVX2 panels (a C call) run eager")
-            return 0.0
         compiled = CompiledDecode(self.model, self.kv, sizes)
         seconds = compiled.warm_up()
         self.compiled = compiled  # steps take it once every size is compiled (maybe meanwhile)

@@ -95,23 +95,3 @@ def test_a_bf16_model_without_bf16_matmuls_holds_and_reports_its_widened_linears
     ways = {m.widening() for m in linears}
     assert held.forward.endswith(f"({'; '.join(sorted(ways))})")
     assert len(outs[0].token_ids) == 4
-
-
-@pytest.mark.skipif(
-    torch.bfloat16 not in widened_dtypes(), reason="this CPU packs bf16 weights as they are"
-)
-def test_compile_leaves_a_model_on_bf16_panels_eager(llama_dir, caplog):
-    """The bf16 panels are a C call inductor cannot trace: ``compile=True`` says so and the
-    model's decode stays eager (and serves)."""
-    import logging
-
-    config = EngineConfig(dtype="bfloat16", pool_bytes=8 << 20, compile=True)
-    with caplog.at_level(logging.WARNING), LLMEngine({"m": llama_dir}, config) as eng:
-        runner = eng.llms["m"].runner
-        panels = any(getattr(m, "bf16_panels", False) for m in runner.model.modules())
-        outs = eng.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))
-    if not panels:
-        pytest.skip("no linear of this model is on the bf16 panels here")
-    assert runner.compiled is None
-    assert "bf16 weights on our AVX2 panels" in caplog.text
-    assert len(outs[0].token_ids) == 4

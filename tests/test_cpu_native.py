@@ -302,4 +302,32 @@ def test_float32_norms_are_llamas_rmsnorm_within_rounding(rows, dim):
     torch.testing.assert_close(got, want, rtol=4e-7, atol=1e-6)
     alone = cpu_native.rms_norm(want_sum, norm.weight.detach(), 1e-5)
     assert torch.equal(alone, got)  # the same kernel's norm either way
-    assert cpu_native.rms_norm(want_sum.bfloat16(), norm.weight.detach().bfloat16(), 1e-5) is None
+    assert cpu_native.rms_norm(want_sum.double(), norm.weight.detach().double(), 1e-5) is None
+
+
+@pytest.mark.skipif(not cpu_native.norms(torch.bfloat16), reason="our norms are AVX2 builds' only")
+@pytest.mark.parametrize("rows,dim", [(0, 64), (1, 576), (7, 100), (300, 576)])
+def test_bf16_norms_are_llamas_rmsnorm_in_bf16(rows, dim):
+    """In bf16 the sum is rounded to bf16 (the residual's dtype), and the norm is LlamaRMSNorm's
+    in bf16: x times rsqrt(mean of squares + eps) rounded, then times the weight, rounded. The
+    sum of squares adds in another order, which can move a rounding by one bf16 step."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(rows + dim)
+    hidden, residual = ((torch.randn(rows, dim, generator=g) * 3).bfloat16() for _ in range(2))
+    norm = LlamaRMSNorm(dim, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(dim, generator=g) + 0.5)
+        norm = norm.bfloat16()
+        want_sum = residual + hidden
+        want = norm(want_sum)
+    weight = norm.weight.detach()
+    got_residual = residual.clone()
+    got = cpu_native.add_rms_norm(hidden.clone(), got_residual, weight, 1e-5)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got_residual, want_sum)  # the same sum, exactly
+    step = want.float().abs() * 2**-7 + 1e-30  # a bf16 step or less
+    assert bool(((got.float() - want.float()).abs() <= step).all())
+    if rows:
+        assert (got == want).float().mean() >= 0.99  # the same bits nearly everywhere
+    assert torch.equal(cpu_native.rms_norm(want_sum, weight, 1e-5), got)

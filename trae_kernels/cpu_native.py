@@ -148,7 +148,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         pick.argtypes = [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
         pick.restype = None
     if hasattr(lib, "add_rms_norm_f32"):  # AVX2 builds (AVX-512 ones keep zentorch's norms)
-        for norm in (lib.add_rms_norm_f32, lib.rms_norm_f32):
+        norms = (lib.add_rms_norm_f32, lib.rms_norm_f32, lib.add_rms_norm_bf16, lib.rms_norm_bf16)
+        for norm in norms:
             norm.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, ctypes.c_double, ctypes.c_int]
             norm.restype = None
         lib.norms_bind.argtypes = [ctypes.c_int32]
@@ -325,10 +326,11 @@ def head_norms(qk: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 
 def norms(dtype: torch.dtype) -> bool:
-    """Whether ``add_rms_norm`` and ``rms_norm`` take rows of ``dtype`` here (float32 in
-    AVX2 builds: the flat forward's norms there, and the native loop's)."""
+    """Whether ``add_rms_norm`` and ``rms_norm`` take rows of ``dtype`` here (float32 and bf16
+    in AVX2 builds: the flat forward's norms there, and float32's the native loop's)."""
     lib = library()
-    return dtype == torch.float32 and lib is not None and hasattr(lib, "add_rms_norm_f32")
+    suffix = _SUFFIX.get(dtype)
+    return suffix is not None and lib is not None and hasattr(lib, f"add_rms_norm_{suffix}")
 
 
 def _norm_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -348,7 +350,7 @@ def add_rms_norm(
     if not residual.is_contiguous() or residual.shape != hidden.shape:
         return None
     if hidden.numel():
-        library().add_rms_norm_f32(
+        getattr(library(), f"add_rms_norm_{_SUFFIX[hidden.dtype]}")(
             hidden.data_ptr(), residual.data_ptr(), hidden.shape[0], hidden.shape[1],
             weight.data_ptr(), eps, torch.get_num_threads(),
         )  # fmt: skip
@@ -362,7 +364,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
         return None
     out = torch.empty_like(x)
     if x.numel():
-        library().rms_norm_f32(
+        getattr(library(), f"rms_norm_{_SUFFIX[x.dtype]}")(
             x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps,
             torch.get_num_threads(),
         )  # fmt: skip
