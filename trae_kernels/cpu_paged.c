@@ -840,17 +840,26 @@ void head_norms_f32(const float *x_, int64_t tokens, int64_t x_rs, int64_t heads
  * at 32 (an EPYC of the Zen 3 generation). ``add_rms_norm_f32``: residual += hidden first, the
  * norm into hidden; ``rms_norm_f32``: x's norm into out. The native layer loop binds the former
  * through ``add_rms_norm_call`` (zentorch's signature) on these builds. */
-static inline void norm_row(const float *x, float *out, int64_t dim, const float *w, float eps) {
-    __m256 sq = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= dim; i += 8) {
-        const __m256 v = _mm256_loadu_ps(x + i);
-        sq = _mm256_fmadd_ps(v, v, sq);
+/* 1 / sqrt(mean of squares + eps) of a row of ``dim`` values of type T, summed in float32 */
+#define INV_RMS(T)                                                                                 \
+    static inline float inv_rms_##T(const T *x, int64_t dim, float eps) {                          \
+        __m256 sq = _mm256_setzero_ps();                                                           \
+        int64_t i = 0;                                                                             \
+        for (; i + 8 <= dim; i += 8) {                                                             \
+            const __m256 v = load8_##T(x + i);                                                     \
+            sq = _mm256_fmadd_ps(v, v, sq);                                                        \
+        }                                                                                          \
+        float sum = hsum8(sq);                                                                     \
+        for (; i < dim; i++) sum += LOAD_##T(x, i) * LOAD_##T(x, i);                               \
+        return 1.0f / __builtin_sqrtf(sum / (float)dim + eps);                                     \
     }
-    float sum = hsum8(sq);
-    for (; i < dim; i++) sum += x[i] * x[i];
-    const float inv = 1.0f / __builtin_sqrtf(sum / (float)dim + eps);
+INV_RMS(f32)
+INV_RMS(bf16)
+
+static inline void norm_row(const float *x, float *out, int64_t dim, const float *w, float eps) {
+    const float inv = inv_rms_f32(x, dim, eps);
     const __m256 vinv = _mm256_set1_ps(inv);
+    int64_t i;
     for (i = 0; i + 8 <= dim; i += 8)
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv),
                                                 _mm256_loadu_ps(w + i)));
@@ -884,16 +893,8 @@ void rms_norm_f32(const float *x, float *out, int64_t rows, int64_t dim, const f
  * RMSNorm took ~40 us a call there at 1 row of 576 (float32's too), 61 calls a SmolLM2 step. */
 static inline void norm_row_bf16(const bf16 *x, bf16 *out, int64_t dim, const bf16 *w,
                                  float eps) {
-    __m256 sq = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= dim; i += 8) {
-        const __m256 v = load8_bf16(x + i);
-        sq = _mm256_fmadd_ps(v, v, sq);
-    }
-    float sum = hsum8(sq);
-    for (; i < dim; i++) sum += bf16_to_f32(x[i]) * bf16_to_f32(x[i]);
-    const float inv = 1.0f / __builtin_sqrtf(sum / (float)dim + eps);
-    for (i = 0; i < dim; i++) {
+    const float inv = inv_rms_bf16(x, dim, eps);
+    for (int64_t i = 0; i < dim; i++) {
         const float y = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * inv));
         out[i] = f32_to_bf16(y * bf16_to_f32(w[i]));
     }
