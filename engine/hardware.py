@@ -61,8 +61,8 @@ class Hardware:
         """Why ``dtype`` runs slower than float32 here, or None: bf16 on a CPU without
         AVX512-BF16 or AMX, where oneDNN's bf16 matmul is its reference one (0.01-0.02
         TFLOP/s against ~130 GFLOP/s in float32 on an AVX2-only Zen 3 EPYC), so its linears
-        multiply in float32 (``fast_linear.widened_dtypes``) beside torch's bf16 norms and
-        attention, and the native layer loop does not take it. ``dtype: auto`` never picks it
+        multiply in float32 (``fast_linear.widened_dtypes``) and the native layer loop does
+        not take it. ``dtype: auto`` never picks it
         there; an explicit bfloat16 is said at start-up."""
         if self.device == "cpu" and dtype == torch.bfloat16 and not self.bf16_math:
             return (
