@@ -6,13 +6,12 @@ ctypes and allocation besides the glue between them. Run from C
 and the step's forward took 31.9 against 42.2 ms at batch 32 and 11.5 against 17.1 ms at
 batch 1 (SmolLM2-135M, bf16, Zen 4; docs/performance.md).
 
-It takes a step when: the linears are bf16 or float32, all packed by zentorch or all by
-oneDNN (zentorch's norms beside them), no LoRA row is in the step and no linear is wrapped,
-no linear would take its float32 path for many rows (``fast_linear.UPCAST_ROWS``), the K/V
-pages have the linears' dtype, head size and MLP width fit the rotation and SiLU kernels
-(AVX-512 builds: bf16 and float32; AVX2 builds: float32), and the step's
-attention is the native paged kernel's for every row (``attention.native_rows``: decodes and
-short prompt chunks).
+It takes a step when: the linears are bf16 or float32, all packed by zentorch, all by oneDNN
+or all bf16 on our AVX2 panels (``caller_of``), with zentorch's norms or ours beside them, no
+LoRA row is in the step and no linear is wrapped, no linear would take its float32 path for
+many rows (``fast_linear.UPCAST_ROWS``), the K/V pages have the linears' dtype, head size and
+MLP width fit the rotation and SiLU kernels, and the step's attention is the native paged
+kernel's for every row (``attention.native_rows``: decodes and short prompt chunks).
 Any other step runs the Python loop in ``FlatForward.forward``.
 """
 
@@ -140,6 +139,12 @@ def modules_of(flat) -> tuple:
     )
 
 
+def caller_of(linear: PackedLinear) -> str:
+    """Which of ``zen_layers.LIBRARIES`` multiplies this linear: its library, or our bf16
+    panels where it holds them."""
+    return "bf16_panels" if linear.bf16_panels else linear.library
+
+
 def takes_model(flat) -> bool:
     """Whether the native loop takes this model's layers (its steps still need pages of the
     model's dtype and native attention): for ``trae model info``."""
@@ -154,12 +159,16 @@ def takes_model(flat) -> bool:
     linears = [m for layer in modules_of(flat) for m in layer]
     if not all(type(m) is PackedLinear for m in linears):
         return False
-    dtype, library = linears[0].dtype, linears[0].library
+    dtype, library = linears[0].dtype, caller_of(linears[0])
     return (
         zen_layers.step_kind(dtype) is not None
         and zen_layers.linear_library(library) is not None
-        and all(m.library == library and m.dtype == m.weight_dtype == dtype for m in linears)
-    )
+        and all(
+            caller_of(m) == library and m.dtype == dtype
+            and (m.weight_dtype == dtype or m.bf16_panels)
+            for m in linears
+        )
+    )  # fmt: skip
 
 
 def _build(flat, kv, modules) -> tuple | None:
@@ -168,7 +177,7 @@ def _build(flat, kv, modules) -> tuple | None:
     if not takes_model(flat):
         return None
     rows = (zen_layers.Layer * len(flat._layers))()
-    dtype, library = modules[0][0].dtype, modules[0][0].library
+    dtype, library = modules[0][0].dtype, caller_of(modules[0][0])
     # oneDNN's caller takes each packed weight as a tensor handle, zentorch's its address
     handles = onednn_calls.WeightHandles() if library == "onednn" else None
 
@@ -189,9 +198,11 @@ def _build(flat, kv, modules) -> tuple | None:
         eps.update(n.variance_epsilon for n in norms)
         tensors = [n.weight for n in norms]
         for m in linears:
-            tensors += ([m.packed_weight] if handles is None else []) + (
-                [] if m.bias is None else [m.bias]
-            )
+            tensors += [m.packed_weight] if handles is None else []
+            bias = m.bias  # float32 beside bf16 panels, else the linears' dtype
+            if bias is not None and not (bias.dtype == m.weight_dtype and bias.is_contiguous()):
+                return None
+            held.append(bias)
         row = rows[i]
         row.in_norm, row.post_norm = (n.weight.data_ptr() for n in norms)
         for name, m in zip(("qkv", "o", "gate_up", "down"), linears, strict=True):

@@ -144,7 +144,7 @@ def test_environment_switch_turns_them_off():
 
 needs_pointwise = pytest.mark.skipif(
     not cpu_native.pointwise(torch.zeros(1, dtype=torch.bfloat16)),
-    reason="the native bf16 pointwise kernels are built for AVX-512 only",
+    reason="the native bf16 pointwise kernels are built for AVX-512 and AVX2 only",
 )
 needs_pointwise_f32 = pytest.mark.skipif(
     not cpu_native.pointwise(torch.zeros(1)),

@@ -132,7 +132,7 @@ def _declare(lib: ctypes.CDLL) -> None:
             + [ctypes.c_float, _i64, _ptr, _i64, ctypes.c_int]
         )
         decode.restype = None
-    for suffix in _SUFFIX.values():  # AVX-512 builds: both; AVX2 builds: float32's
+    for suffix in _SUFFIX.values():  # AVX-512 and AVX2 builds
         if not hasattr(lib, f"silu_mul_{suffix}"):
             continue
         silu = getattr(lib, f"silu_mul_{suffix}")
@@ -152,9 +152,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         for norm in norms:
             norm.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, ctypes.c_double, ctypes.c_int]
             norm.restype = None
-        lib.norms_bind.argtypes = [ctypes.c_int32]
+        lib.norms_bind.argtypes = [ctypes.c_int32, ctypes.c_int32]
         lib.norms_bind.restype = None
-        lib.norms_bind(torch_shim.dtype_code(torch.float32))  # the native loop's dtype code
+        # the dtype codes the native loop passes add_rms_norm_call
+        lib.norms_bind(*(torch_shim.dtype_code(d) for d in (torch.float32, torch.bfloat16)))
 
 
 def library() -> ctypes.CDLL | None:
@@ -281,7 +282,7 @@ def suffix(dtype: torch.dtype) -> str:
 
 def pointwise(x: torch.Tensor) -> bool:
     """Whether ``silu_mul``, ``rotate``, ``head_norms`` and ``argmax`` take this CPU tensor:
-    bf16 or float32 in AVX-512 builds, float32 in AVX2 builds."""
+    bf16 or float32 in AVX-512 and AVX2 builds."""
     if x.dtype not in _SUFFIX or x.device.type != "cpu" or torch.compiler.is_compiling():
         return False
     lib = library()

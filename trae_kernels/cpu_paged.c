@@ -282,18 +282,9 @@ typedef float f32;
  * older Xeons): 8 lanes, exp as the same polynomial with 2^n built in the exponent bits, and
  * the softmax's tail (fewer than 8 scores) in scalar expf. Measured on such an EPYC, SmolLM2
  * fp32 decode at batch 32: the portable loop's attention was 27% of the step. */
-static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
-static inline __m256 load8_bf16(const bf16 *p) {
-    __m128i half = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-static inline void store8_f32(float *p, __m256 x) { _mm256_storeu_ps(p, x); }
-static inline void store8_bf16(bf16 *p, __m256 x) {
-    float tmp[8];
-    _mm256_storeu_ps(tmp, x);
-    for (int i = 0; i < 8; i++) p[i] = f32_to_bf16(tmp[i]);
-}
 #include "cpu_vec2.h"
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline void store8_f32(float *p, __m256 x) { _mm256_storeu_ps(p, x); }
 
 /* One head's online-softmax step over a block of n scores (32-byte aligned): the scores become
  * e^(score - running maximum), the head's maximum and sum move on, and the factor its weighted
@@ -746,10 +737,8 @@ DEFINE_HEAD_NORMS(bf16)
 DEFINE_ARGMAX(f32)
 DEFINE_ARGMAX(bf16)
 #elif defined(__AVX2__) && defined(__FMA__)
-/* The float32 pointwise steps with AVX2 and FMA only (an EPYC of the Zen 3 generation): the
- * AVX-512 kernels' arithmetic on 8 lanes, the same values but for the order of a sum of
- * squares. No bf16 twins: without AVX512-BF16 `dtype: auto` serves float32, and a bf16 step
- * keeps torch's ops (and the Python layer loop). */
+/* The pointwise steps with AVX2 and FMA only (an EPYC of the Zen 3 generation): the AVX-512
+ * kernels' arithmetic on 8 lanes, the same values but for the order of a sum of squares. */
 
 /* exp16_f32 on 8 lanes: Cody-Waite and Taylor alike; 2^n (n from -150 to 128) as the product
  * of two powers made from exponent bits, which rounds once, where scalef rounds */
@@ -778,61 +767,70 @@ static inline __m256 exp8_f32(__m256 x) {
     return _mm256_blendv_ps(e, _mm256_set1_ps(__builtin_inff()), over);
 }
 
-void silu_mul_f32(const float *gu, int64_t rows, int64_t gu_rs, int64_t n, float *out,
-                  int64_t out_rs, int threads) {
-    const __m256 one = _mm256_set1_ps(1.0f);
-#pragma omp parallel for num_threads(threads) if (rows * n >= 32768) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gu + r * gu_rs, *u = g + n;
-        float *o = out + r * out_rs;
-        for (int64_t i = 0; i < n; i += 8) {
-            __m256 x = _mm256_loadu_ps(g + i);
-            __m256 den = _mm256_add_ps(one, exp8_f32(_mm256_sub_ps(_mm256_setzero_ps(), x)));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, den), _mm256_loadu_ps(u + i)));
-        }
+/* The pointwise steps of float32 and of bf16, the latter rounded where the AVX-512 build's bf16
+ * kernels and torch's bf16 ops round (ROUND8_T): bf16 for a model on a CPU without bf16 matmuls
+ * (its linears on onednn_calls.c's bf16 panels), whose steps otherwise ran torch's bf16 SiLU,
+ * rotation and Qwen3 head norms from the Python loop. The SiLU's exp is exp8_f32 (about an
+ * ulp), which bf16's rounding hides as the AVX-512 build's softmax exp does there. */
+#define ROUND8_f32(x) (x)
+#define ROUND8_bf16(x) round8_bf16(x)
+#define DEFINE_POINTWISE8(T)                                                                       \
+    void silu_mul_##T(const T *gu, int64_t rows, int64_t gu_rs, int64_t n, T *out, int64_t out_rs, \
+                      int threads) {                                                               \
+        const __m256 one = _mm256_set1_ps(1.0f);                                                   \
+        _Pragma("omp parallel for num_threads(threads) if (rows * n >= 32768) schedule(static)")   \
+        for (int64_t r = 0; r < rows; r++) {                                                       \
+            const T *g = gu + r * gu_rs, *u = g + n;                                               \
+            T *o = out + r * out_rs;                                                               \
+            for (int64_t i = 0; i < n; i += 8) {                                                   \
+                const __m256 x = load8_##T(g + i);                                                 \
+                const __m256 e = exp8_f32(_mm256_sub_ps(_mm256_setzero_ps(), x));                  \
+                const __m256 s = ROUND8_##T(_mm256_div_ps(x, _mm256_add_ps(one, e)));              \
+                store8_##T(o + i, _mm256_mul_ps(s, load8_##T(u + i)));                             \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    void rotate_##T(const T *x_, int64_t tokens, int64_t x_rs, int64_t heads, int64_t dim,         \
+                    const T *cos_, const T *ssin_, int64_t cs_rs, T *out, int threads) {           \
+        const int64_t half = dim / 2;                                                              \
+        _Pragma("omp parallel for num_threads(threads) if (tokens * heads * dim >= 32768) schedule(static)") \
+        for (int64_t t = 0; t < tokens; t++) {                                                     \
+            const T *c = cos_ + t * cs_rs, *s = ssin_ + t * cs_rs;                                 \
+            for (int64_t h = 0; h < heads; h++) {                                                  \
+                const T *x = x_ + t * x_rs + h * dim;                                              \
+                T *o = out + (t * heads + h) * dim;                                                \
+                for (int64_t i = 0; i < dim; i += 8) {                                             \
+                    const int64_t j = i < half ? i + half : i - half;                              \
+                    const __m256 a = ROUND8_##T(_mm256_mul_ps(load8_##T(x + i), load8_##T(c + i))); \
+                    const __m256 b = _mm256_mul_ps(load8_##T(x + j), load8_##T(s + i));           \
+                    store8_##T(o + i, _mm256_add_ps(a, b));                                        \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    void head_norms_##T(const T *x_, int64_t tokens, int64_t x_rs, int64_t heads, int64_t dim,     \
+                        const T *w, double eps, T *out, int threads) {                             \
+        _Pragma("omp parallel for num_threads(threads) if (tokens * heads * dim >= 32768) schedule(static)") \
+        for (int64_t t = 0; t < tokens; t++) {                                                     \
+            for (int64_t h = 0; h < heads; h++) {                                                  \
+                const T *x = x_ + t * x_rs + h * dim;                                              \
+                T *o = out + (t * heads + h) * dim;                                                \
+                __m256 sq = _mm256_setzero_ps();                                                   \
+                for (int64_t i = 0; i < dim; i += 8) {                                             \
+                    const __m256 v = load8_##T(x + i);                                             \
+                    sq = _mm256_fmadd_ps(v, v, sq);                                                \
+                }                                                                                  \
+                const float mean = hsum8(sq) / (float)dim;                                         \
+                const __m256 inv = _mm256_set1_ps(1.0f / __builtin_sqrtf(mean + (float)eps));      \
+                for (int64_t i = 0; i < dim; i += 8) {                                             \
+                    const __m256 y = ROUND8_##T(_mm256_mul_ps(load8_##T(x + i), inv));             \
+                    store8_##T(o + i, _mm256_mul_ps(y, load8_##T(w + h * dim + i)));               \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
     }
-}
-
-void rotate_f32(const float *x_, int64_t tokens, int64_t x_rs, int64_t heads, int64_t dim,
-                const float *cos_, const float *ssin_, int64_t cs_rs, float *out, int threads) {
-    const int64_t half = dim / 2;
-#pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= 32768) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos_ + t * cs_rs, *s = ssin_ + t * cs_rs;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *x = x_ + t * x_rs + h * dim;
-            float *o = out + (t * heads + h) * dim;
-            for (int64_t i = 0; i < dim; i += 8) {
-                int64_t j = i < half ? i + half : i - half;
-                __m256 a = _mm256_mul_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(c + i));
-                __m256 b = _mm256_mul_ps(_mm256_loadu_ps(x + j), _mm256_loadu_ps(s + i));
-                _mm256_storeu_ps(o + i, _mm256_add_ps(a, b));
-            }
-        }
-    }
-}
-
-void head_norms_f32(const float *x_, int64_t tokens, int64_t x_rs, int64_t heads, int64_t dim,
-                    const float *w, double eps, float *out, int threads) {
-#pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= 32768) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        for (int64_t h = 0; h < heads; h++) {
-            const float *x = x_ + t * x_rs + h * dim;
-            float *o = out + (t * heads + h) * dim;
-            __m256 sq = _mm256_setzero_ps();
-            for (int64_t i = 0; i < dim; i += 8) {
-                const __m256 v = _mm256_loadu_ps(x + i);
-                sq = _mm256_fmadd_ps(v, v, sq);
-            }
-            const float mean = hsum8(sq) / (float)dim;
-            const __m256 inv = _mm256_set1_ps(1.0f / __builtin_sqrtf(mean + (float)eps));
-            for (int64_t i = 0; i < dim; i += 8) {
-                const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + i), inv);
-                _mm256_storeu_ps(o + i, _mm256_mul_ps(y, _mm256_loadu_ps(w + h * dim + i)));
-            }
-        }
-    }
-}
+DEFINE_POINTWISE8(f32)
+DEFINE_POINTWISE8(bf16)
 
 /* RMSNorm of float32 rows, as transformers' LlamaRMSNorm rounds it (x times rsqrt(mean of
  * squares + eps), then times the weight), for AVX2 builds, where zentorch's fused add-and-norm
@@ -894,7 +892,13 @@ void rms_norm_f32(const float *x, float *out, int64_t rows, int64_t dim, const f
 static inline void norm_row_bf16(const bf16 *x, bf16 *out, int64_t dim, const bf16 *w,
                                  float eps) {
     const float inv = inv_rms_bf16(x, dim, eps);
-    for (int64_t i = 0; i < dim; i++) {
+    const __m256 vinv = _mm256_set1_ps(inv);
+    int64_t i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        const __m256 y = round8_bf16(_mm256_mul_ps(load8_bf16(x + i), vinv));
+        store8_bf16(out + i, _mm256_mul_ps(y, load8_bf16(w + i)));
+    }
+    for (; i < dim; i++) {
         const float y = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * inv));
         out[i] = f32_to_bf16(y * bf16_to_f32(w[i]));
     }
@@ -905,8 +909,10 @@ void add_rms_norm_bf16(bf16 *hidden, bf16 *residual, int64_t rows, int64_t dim, 
 #pragma omp parallel for num_threads(threads) if (rows * dim >= 32768) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         bf16 *h = hidden + r * dim, *res = residual + r * dim;
-        for (int64_t i = 0; i < dim; i++)
-            res[i] = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(h[i]));
+        int64_t i = 0;
+        for (; i + 8 <= dim; i += 8)
+            store8_bf16(res + i, _mm256_add_ps(load8_bf16(res + i), load8_bf16(h + i)));
+        for (; i < dim; i++) res[i] = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(h[i]));
         norm_row_bf16(res, h, dim, w, (float)eps);
     }
 }
@@ -918,62 +924,73 @@ void rms_norm_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t dim, const bf
 }
 
 #include <omp.h>
-static int32_t norm_f32_code = -1; /* torch's shim code of float32 (norms_bind) */
-void norms_bind(int32_t f32_code) { norm_f32_code = f32_code; }
+static int32_t norm_codes[2] = {-1, -1}; /* torch's shim codes of float32 and bf16 (norms_bind) */
+void norms_bind(int32_t f32_code, int32_t bf16_code) {
+    norm_codes[0] = f32_code;
+    norm_codes[1] = bf16_code;
+}
 
-/* add_rms_norm_f32 with zentorch's add-and-norm signature (the native loop's); -1 for a dtype
- * other than float32 */
+/* add_rms_norm_f32 or _bf16 with zentorch's add-and-norm signature (the native loop's); -1 for
+ * another dtype */
 int32_t add_rms_norm_call(void *hidden, void *residual, int64_t rows, int64_t dim,
                           int32_t dtype, void *weight, double eps) {
-    if (dtype != norm_f32_code) return -1;
-    add_rms_norm_f32(hidden, residual, rows, dim, weight, eps, omp_get_max_threads());
+    if (dtype == norm_codes[0])
+        add_rms_norm_f32(hidden, residual, rows, dim, weight, eps, omp_get_max_threads());
+    else if (dtype == norm_codes[1])
+        add_rms_norm_bf16(hidden, residual, rows, dim, weight, eps, omp_get_max_threads());
+    else
+        return -1;
     return 0;
 }
 
-/* argmax_rows_f32 of the AVX-512 build on 8 lanes: the first index of a row's maximum, or of
+/* argmax_rows_T of the AVX-512 build on 8 lanes: the first index of a row's maximum, or of
  * its first NaN */
-void argmax_rows_f32(const float *x, int64_t rows, int64_t rs, int64_t n, int64_t *out,
-                     int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * n >= 65536) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *row = x + r * rs;
-        __m256 top = _mm256_set1_ps(-__builtin_inff());
-        int nan = 0;
-        int64_t i = 0;
-        for (; i + 8 <= n && !nan; i += 8) {
-            const __m256 v = _mm256_loadu_ps(row + i);
-            nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-            top = _mm256_max_ps(top, v);
-        }
-        float lanes[8], most = -__builtin_inff();
-        _mm256_storeu_ps(lanes, top);
-        for (int l = 0; l < 8; l++) most = lanes[l] > most ? lanes[l] : most;
-        int64_t at = -1;
-        if (nan) {
-            at = i - 8 + __builtin_ctz(nan);
-        } else {
-            for (int64_t j = i; j < n; j++) {
-                if (row[j] != row[j]) {
-                    at = j;
-                    break;
-                }
-                most = row[j] > most ? row[j] : most;
-            }
-        }
-        if (at < 0) {
-            const __m256 m = _mm256_set1_ps(most);
-            for (i = 0; i + 8 <= n; i += 8) {
-                const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), m,
-                                                                 _CMP_EQ_OQ));
-                if (hit) {
-                    at = i + __builtin_ctz(hit);
-                    break;
-                }
-            }
-            for (int64_t j = i; at < 0 && j < n; j++)
-                if (row[j] == most) at = j;
-        }
-        out[r] = at < 0 ? 0 : at;
+#define DEFINE_ARGMAX8(T)                                                                          \
+    void argmax_rows_##T(const T *x, int64_t rows, int64_t rs, int64_t n, int64_t *out,            \
+                         int threads) {                                                            \
+        _Pragma("omp parallel for num_threads(threads) if (rows * n >= 65536) schedule(static)")   \
+        for (int64_t r = 0; r < rows; r++) {                                                       \
+            const T *row = x + r * rs;                                                             \
+            __m256 top = _mm256_set1_ps(-__builtin_inff());                                        \
+            int nan = 0;                                                                           \
+            int64_t i = 0;                                                                         \
+            for (; i + 8 <= n && !nan; i += 8) {                                                   \
+                const __m256 v = load8_##T(row + i);                                               \
+                nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));                       \
+                top = _mm256_max_ps(top, v);                                                       \
+            }                                                                                      \
+            float lanes[8], most = -__builtin_inff();                                              \
+            _mm256_storeu_ps(lanes, top);                                                          \
+            for (int l = 0; l < 8; l++) most = lanes[l] > most ? lanes[l] : most;                  \
+            int64_t at = -1;                                                                       \
+            if (nan) {                                                                             \
+                at = i - 8 + __builtin_ctz(nan);                                                   \
+            } else {                                                                               \
+                for (int64_t j = i; j < n; j++) {                                                  \
+                    const float v = LOAD_##T(row, j);                                              \
+                    if (v != v) {                                                                  \
+                        at = j;                                                                    \
+                        break;                                                                     \
+                    }                                                                              \
+                    most = v > most ? v : most;                                                    \
+                }                                                                                  \
+            }                                                                                      \
+            if (at < 0) {                                                                          \
+                const __m256 m = _mm256_set1_ps(most);                                             \
+                for (i = 0; i + 8 <= n; i += 8) {                                                  \
+                    const int hit =                                                                \
+                        _mm256_movemask_ps(_mm256_cmp_ps(load8_##T(row + i), m, _CMP_EQ_OQ));      \
+                    if (hit) {                                                                     \
+                        at = i + __builtin_ctz(hit);                                               \
+                        break;                                                                     \
+                    }                                                                              \
+                }                                                                                  \
+                for (int64_t j = i; at < 0 && j < n; j++)                                          \
+                    if (LOAD_##T(row, j) == most) at = j;                                          \
+            }                                                                                      \
+            out[r] = at < 0 ? 0 : at;                                                              \
+        }                                                                                          \
     }
-}
+DEFINE_ARGMAX8(f32)
+DEFINE_ARGMAX8(bf16)
 #endif

@@ -1,11 +1,37 @@
-/* AVX2 and FMA helpers shared by the CPU kernels' 8-lane builds (cpu_paged.c, cpu_prompt.c),
- * for CPUs without AVX-512: a horizontal sum and the softmax's vector exp. */
+/* AVX2 and FMA helpers shared by the CPU kernels' 8-lane builds (cpu_paged.c, cpu_prompt.c,
+ * onednn_calls.c), for CPUs without AVX-512: bf16 loads, roundings and stores, a horizontal
+ * sum and the softmax's vector exp. */
 #ifndef TRAE_CPU_VEC2_H
 #define TRAE_CPU_VEC2_H
 #include <immintrin.h>
 
 #include "cpu_exp2.h"
 #include <stdint.h>
+
+typedef uint16_t bf16;
+
+/* 8 bf16 as float32, exactly (a bf16's bits are a float32's top half) */
+static inline __m256 load8_bf16(const bf16 *p) {
+    const __m128i half = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+/* 8 float32 rounded to bf16 as cpu_vec.h's round_bf16_int rounds 16 (to nearest, ties to
+ * even; a NaN quieted, its payload kept), as float32 bits */
+static inline __m256i round8_bf16_int(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x), top = _mm256_set1_epi32((int)0xffff0000u);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_and_si256(
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), top);
+    const __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, top), _mm256_set1_epi32(0x00400000));
+    return _mm256_blendv_epi8(r, quiet, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+}
+/* round8_bf16_int kept as float32: a bf16 step's rounding between two float32 operations */
+static inline __m256 round8_bf16(__m256 x) { return _mm256_castsi256_ps(round8_bf16_int(x)); }
+static inline void store8_bf16(bf16 *p, __m256 x) {
+    const __m256i r = _mm256_srli_epi32(round8_bf16_int(x), 16);
+    const __m256i pairs = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(pairs));
+}
 
 static inline float hsum8(__m256 x) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));

@@ -309,29 +309,14 @@ static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
 #define AHEAD 32 /* k a first pass fetches ahead of itself (8 KB) */
 #define CHUNK_BYTES (2 << 20) /* the most of the rows copied and multiplied at a time */
 
-/* 8 weights of a panel as float32: float32 as they are, bf16 widened exactly (its bits are
- * the top half of a float32's) */
-static inline __m256 load_float(const float *b) { return _mm256_loadu_ps(b); }
-static inline __m256 load_bf16(const uint16_t *b) {
-    const __m128i half = _mm_loadu_si128((const __m128i *)b);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-static inline float widen_bf16(uint16_t h) {
+#include "cpu_vec2.h" /* load8_bf16 (widened exactly), store8_bf16 (rounded to nearest even) */
+/* 8 weights of a panel as float32: load8_float's or load8_bf16's */
+static inline __m256 load8_float(const float *b) { return _mm256_loadu_ps(b); }
+static inline float widen_bf16(bf16 h) {
     const uint32_t bits = (uint32_t)h << 16;
     float f;
     memcpy(&f, &bits, sizeof f);
     return f;
-}
-/* 8 float32 rounded to bf16 as torch rounds them: to nearest, ties to even (NaN: 0x7fc0) */
-static inline void store_bf16(uint16_t *to, __m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i bias = _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
-    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(nan));
-    const __m256i pairs = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-    _mm_storeu_si128((__m128i *)to, _mm256_castsi256_si128(pairs));
 }
 
 /* k steps of R packed rows (xp) by V vectors of a strip (b, weights of type T), summed into
@@ -343,7 +328,7 @@ static inline void store_bf16(uint16_t *to, __m256 v) {
         _Pragma("GCC unroll 4") for (int64_t j = 0; j < n_steps; j++) {                           \
             PREFETCH;                                                                              \
             __m256 w[V];                                                                           \
-            for (int v = 0; v < V; v++) w[v] = load_##T(b + j * PANEL + 8 * v);                    \
+            for (int v = 0; v < V; v++) w[v] = load8_##T(b + j * PANEL + 8 * v);                  \
             for (int r = 0; r < R; r++) {                                                          \
                 const __m256 a = _mm256_broadcast_ss(xp + j * R + r);                              \
                 for (int v = 0; v < V; v++) sum[r][v] = _mm256_fmadd_ps(a, w[v], sum[r][v]);       \
@@ -393,12 +378,11 @@ static inline void store_bf16(uint16_t *to, __m256 v) {
                 __m256 t = total[r][v];                                                            \
                 if (bias) t = _mm256_add_ps(t, _mm256_loadu_ps(bias + v * 8));                     \
                 if (out_bf16)                                                                      \
-                    store_bf16((uint16_t *)out + r * n + v * 8, t);                                \
+                    store8_bf16((bf16 *)out + r * n + v * 8, t);                                   \
                 else                                                                               \
                     _mm256_storeu_ps((float *)out + r * n + v * 8, t);                             \
             }                                                                                      \
     }
-typedef uint16_t bf16;
 #define PASSES(T)                                                                                  \
     PASS(1, 8, T)                                                                                  \
     PASS(2, 4, T)                                                                                  \
@@ -510,6 +494,14 @@ int32_t onednn_bf16_panels(const uint16_t *x, int64_t rows, int64_t k, int64_t x
     if (rows < 1 || n % PANEL) return -1;
     const Panels panels = {w, sizeof(bf16), passes_bf16};
     return panels_f32(x, rows, k, x_rs, panels, n, BF16_KB, bias, out, 1);
+}
+
+/* onednn_bf16_panels with onednn_linear's signature, for the native layer loop (zen_layers.c):
+ * ``w`` the panels' data, ``bias`` float32 or NULL; ``dtype`` is bf16's (the loop's step). */
+int32_t onednn_bf16_panels_linear(void *x, int64_t rows, int64_t k, int64_t x_rs, void *out,
+                                  int64_t n, int32_t dtype, void *w, void *bias) {
+    if (dtype != codes[1]) return -1;
+    return onednn_bf16_panels(x, rows, k, x_rs, w, n, bias, out);
 }
 #endif
 

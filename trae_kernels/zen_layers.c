@@ -49,7 +49,7 @@ typedef struct {
 } Kernels;
 
 enum { KINDS = 2 }; /* Step.kind: 0 bf16, 1 float32 (zen_layers.py's KINDS) */
-enum { LIBRARIES = 2 }; /* Step.library: 0 zentorch, 1 oneDNN (zen_layers.py's LIBRARIES) */
+enum { LIBRARIES = 3 }; /* Step.library: zentorch, oneDNN, bf16 panels (zen_layers.py's) */
 
 static linear_fn linears[LIBRARIES];
 static add_norm_fn add_norm;
@@ -59,7 +59,7 @@ static Kernels kernels[KINDS];
 void layers_bind(void *add_norm_f) { add_norm = (add_norm_fn)add_norm_f; }
 
 /* One library's linear: its weights are what that library's caller takes (zentorch's packed
- * data, a oneDNN weight's tensor handle); 0 on success */
+ * data, a oneDNN weight's tensor handle, our bf16 panels' data); 0 on success */
 int32_t layers_bind_linear(int64_t library, void *linear_f) {
     if (library < 0 || library >= LIBRARIES) return -1;
     linears[library] = (linear_fn)linear_f;

@@ -1,9 +1,10 @@
 """The flat forward's layer stack in one native call (``zen_layers.c``), where every kernel of
 a layer has a C entry point: bf16 or float32 weights packed for zentorch (AMD) or oneDNN
-(Intel, and AMD without AVX-512), zentorch's norms (its C shims loaded) or, in AVX2 builds, our
-float32 norm (zentorch not needed there), K/V pages of the same dtype, our rotation and
-SiLU (AVX-512 builds: bf16 and float32; AVX2 builds: float32), and a step whose attention the
-native paged kernel runs for every row (decodes, and short prompt chunks beside them).
+(Intel, and AMD without AVX-512), or bf16 weights on our AVX2 panels (a CPU without bf16
+matmuls: onednn_calls.bf16_panels), zentorch's norms (its C shims loaded) or, in AVX2 builds,
+ours (zentorch not needed there), K/V pages of the same dtype, our rotation and SiLU (bf16 and
+float32), and a step whose attention the native paged kernel runs for every row (decodes, and
+short prompt chunks beside them).
 
 Why: the kernels of a SmolLM2 decode step are ~300 calls; from Python each costs 6-10 us of
 wrapper besides the glue between them (docs/performance.md). The C loop calls the same kernels
@@ -27,8 +28,9 @@ from trae_groups.kernels.torch_shim import address
 SOURCE = Path(__file__).with_name("zen_layers.c")
 ENV_SWITCH = "TRAE_NATIVE_LAYERS"  # "0": the flat forward's Python loop
 KINDS = (torch.bfloat16, torch.float32)  # Step.kind indexes this (``KINDS`` in zen_layers.c)
-# Step.library indexes this (``LIBRARIES`` in zen_layers.c): PackedLinear.library's names
-LIBRARIES = ("zentorch", "onednn")
+# Step.library indexes this (``LIBRARIES`` in zen_layers.c): PackedLinear.library's names, and
+# "bf16_panels" for a PackedLinear whose bf16 weights are our panels (``bf16_panels``)
+LIBRARIES = ("zentorch", "onednn", "bf16_panels")
 _i64, _ptr, _f64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
 
 _bound: set[torch.dtype] = set()  # the KINDS whose kernels this build has (bound at load)
@@ -78,7 +80,7 @@ def _load() -> ctypes.CDLL:
     native = cpu_native.library()
     if native is None or not hasattr(native, "silu_mul_f32"):
         raise RuntimeError("needs an AVX-512 or AVX2 build of cpu_paged.c")
-    # our float32 add-and-norm in AVX2 builds (zentorch's took 5.6x its time at 2,048 rows
+    # our add-and-norm in AVX2 builds (zentorch's took 5.6x its time at 2,048 rows
     # there), zentorch's elsewhere: the flat forward's Python loop picks the same (_norms_for).
     # So an AVX2 build runs the loop without zentorch (its linears oneDNN's there).
     own_norm = hasattr(native, "add_rms_norm_call")
@@ -94,16 +96,22 @@ def _load() -> ctypes.CDLL:
     lib.layers_bind_linear.argtypes = [_i64, _ptr]
     lib.layers_bind_linear.restype = ctypes.c_int32
     onednn = onednn_calls.library()
-    callers = {"zentorch": (zen, "zen_linear"), "onednn": (onednn, "onednn_linear")}
+    callers = {
+        "zentorch": (zen, "zen_linear"),
+        "onednn": (onednn, "onednn_linear"),
+        "bf16_panels": (onednn, "onednn_bf16_panels_linear"),  # AVX2 builds
+    }
     for index, name in enumerate(LIBRARIES):
         caller, function = callers[name]
-        if caller is not None and lib.layers_bind_linear(index, address(caller, function)):
+        if caller is None or not hasattr(caller, function):
+            continue
+        if lib.layers_bind_linear(index, address(caller, function)):
             raise RuntimeError("zen_layers.c has fewer linear libraries than zen_layers.LIBRARIES")
     lib.layers_bind_kind.argtypes = [_i64] + [_ptr] * 5
     lib.layers_bind_kind.restype = ctypes.c_int32
     for kind, dtype in enumerate(KINDS):
         suffix = cpu_native.suffix(dtype)
-        if not hasattr(native, f"silu_mul_{suffix}"):  # AVX2 builds: float32 only
+        if not hasattr(native, f"silu_mul_{suffix}"):
             continue
         _bound.add(dtype)
         rotate, store, silu, head_norms = (
@@ -140,9 +148,14 @@ def step_kind(dtype: torch.dtype) -> tuple[int, int] | None:
 
 
 def linear_library(name: str) -> int | None:
-    """Step.library for linears packed by ``name`` (PackedLinear.library); None where the
-    loop has no caller of it loaded."""
-    if name not in LIBRARIES or (name == "onednn" and onednn_calls.library() is None):
+    """Step.library for linears packed by ``name`` (one of ``LIBRARIES``); None where the loop
+    has no caller of it loaded."""
+    if name not in LIBRARIES:
+        return None
+    onednn = onednn_calls.library()
+    if name == "onednn" and onednn is None:
+        return None
+    if name == "bf16_panels" and not hasattr(onednn, "onednn_bf16_panels_linear"):
         return None
     return LIBRARIES.index(name)
 
