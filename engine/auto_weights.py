@@ -52,6 +52,9 @@ def candidates(
         # GPU int8/fp8 weights are not implemented: a quantization: auto there stays float
     if dtype_auto and hw.bf16_math:
         tried.append(WeightChoice(torch.bfloat16, None, f"{hw.describe()}: bf16 matmuls"))
+    elif dtype_auto and hw.bf16_panels:
+        why = f"{hw.describe()}: bf16 weights on our AVX2 panels, half float32's bytes"
+        tried.append(WeightChoice(torch.bfloat16, None, why))
     elif dtype_auto and hw.device == "cuda":
         tried.append(WeightChoice(torch.float16, None, f"{hw.describe()}: no bf16, fp16"))
     final = torch.float32 if dtype_auto else base

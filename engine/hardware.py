@@ -14,6 +14,8 @@ import torch
 # CPU flags that change what is fast (names as /proc/cpuinfo spells them)
 INT8_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# vector widths our own kernels are built for (trae_kernels/: AVX-512, or AVX2 with FMA)
+VECTOR_FLAGS = frozenset({"avx512f", "avx2", "fma"})
 
 
 @dataclass(frozen=True)
@@ -57,18 +59,33 @@ class Hardware:
         amd_bf16 = self.cpu_vendor == "AuthenticAMD" and "avx512_bf16" in self.cpu_flags
         return self.bf16_matrix_units or amd_bf16
 
+    @property
+    def bf16_panels(self) -> bool:
+        """bf16 weights on our own AVX2 panels (trae_kernels/onednn_calls.c) where the CPU has
+        AVX2 and FMA but no AVX-512 and no bf16 matmuls (an EPYC of the Zen 3 generation):
+        held and read at half float32's bytes, summed in float32, and run by the native layer
+        loop's bf16 kernels. SmolLM2 there: batch-1 decode 0.55x float32's time (1.02-1.15
+        against 1.84-2.10 s for 64 tokens), 32 x 100 prompts level with it, 32 x 512 1.05x
+        its time (docs/performance.md)."""
+        return (
+            self.device == "cpu" and not self.bf16_math
+            and {"avx2", "fma"} <= self.cpu_flags and "avx512f" not in self.cpu_flags
+        )  # fmt: skip
+
     def slow_dtype(self, dtype: torch.dtype) -> str | None:
         """Why ``dtype`` runs slower than float32 here, or None: bf16 on a CPU without
         AVX512-BF16 or AMX, where oneDNN's bf16 matmul is its reference one (0.01-0.02
         TFLOP/s against ~130 GFLOP/s in float32 on an AVX2-only Zen 3 EPYC), so its linears
-        multiply in float32 (``fast_linear.widened_dtypes``) and the native layer loop does
-        not take it. ``dtype: auto`` never picks it
-        there; an explicit bfloat16 is said at start-up."""
-        if self.device == "cpu" and dtype == torch.bfloat16 and not self.bf16_math:
+        multiply in float32 from a float32 copy (``fast_linear.widened_dtypes``) and the
+        native layer loop does not take it — except where our AVX2 panels hold them
+        (``bf16_panels``: faster than float32 there). ``dtype: auto`` never picks a slow
+        dtype; an explicit one is said at start-up."""
+        slow = dtype == torch.bfloat16 and not self.bf16_math and not self.bf16_panels
+        if self.device == "cpu" and slow:
             return (
                 f"{self.describe()}: bfloat16 matmuls have no hardware path on this CPU "
-                "(no AVX512-BF16 or AMX); its linears multiply in float32 and dtype: auto "
-                "(float32) serves faster"
+                "(no AVX512-BF16 or AMX, and no AVX2 for our bf16 panels); its linears "
+                "multiply in float32 from float32 copies and dtype: auto (float32) serves faster"
             )
         return None
 
@@ -84,7 +101,7 @@ def detect(device: str | torch.device = "cpu") -> Hardware:
     device = torch.device(device)
     if device.type == "cuda":
         return Hardware("cuda", cuda_capability=torch.cuda.get_device_capability(device))
-    flags = _cpu_flags() & (INT8_FLAGS | BF16_FLAGS)
+    flags = _cpu_flags() & (INT8_FLAGS | BF16_FLAGS | VECTOR_FLAGS)
     return Hardware("cpu", cpu_flags=flags, cpu_vendor=cpu_vendor())
 
 

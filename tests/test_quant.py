@@ -117,6 +117,10 @@ def test_auto_choice_is_a_function_of_the_hardware():
     assert labels(Hardware("cpu", frozenset({"avx512_vnni"})), **both) == ["int8", "float32"]
     assert labels(Hardware("cpu", frozenset({"amx_bf16"})), **both) == ["bfloat16", "float32"]
     assert labels(Hardware("cpu"), **both) == ["float32"]
+    # no bf16 matmuls, but AVX2 without AVX-512: bf16 weights on our panels (a Zen 3 EPYC)
+    avx2 = Hardware("cpu", frozenset({"avx2", "fma"}))
+    assert labels(avx2, **both) == ["bfloat16", "float32"]
+    assert labels(Hardware("cpu", avx2.cpu_flags | {"avx512f"}), **both) == ["float32"]
     assert labels(Hardware("cuda", cuda_capability=(9, 0)), **both) == ["bfloat16", "float32"]
     assert labels(Hardware("cuda", cuda_capability=(7, 5)), **both) == ["float16", "float32"]
     # only one of the two "auto": the other stays as the graph says
@@ -211,9 +215,13 @@ def test_activations_are_7_bit_where_the_cpu_has_no_vnni(monkeypatch, flags, red
 
 def test_bf16_without_bf16_instructions_is_said_at_start_up(llama_dir, monkeypatch, caplog):
     # bf16 matmuls without AVX512-BF16 or AMX run oneDNN's reference kernel, many times slower
-    # than float32: an explicit bfloat16 there gets a warning naming the model, auto none
+    # than float32 (where our AVX2 panels do not take them): an explicit bfloat16 there gets a
+    # warning naming the model, auto none
     assert Hardware("cpu").slow_dtype(torch.bfloat16)
+    assert Hardware("cpu", frozenset({"avx512f", "avx2", "fma"})).slow_dtype(torch.bfloat16)
     assert Hardware("cpu", frozenset({"amx_bf16"})).slow_dtype(torch.bfloat16) is None
+    # AVX2 without AVX-512: bf16 weights on our panels, faster than float32 there
+    assert Hardware("cpu", frozenset({"avx2", "fma"})).slow_dtype(torch.bfloat16) is None
     assert Hardware("cpu").slow_dtype(torch.float32) is None
     assert Hardware("cuda", cuda_capability=(7, 5)).slow_dtype(torch.bfloat16) is None
     monkeypatch.setattr(engine_module, "detect", lambda device="cpu": Hardware("cpu"))

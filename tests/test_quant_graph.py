@@ -191,7 +191,8 @@ def test_trae_serve_defaults_to_auto_and_other_commands_to_float32(llama_dir):
     assert cli._engine_config(served).dtype == "float32"
     # an engine given a folder directly chooses the same way, by the detected hardware
     engine = LLMEngine({"m": str(llama_dir)}, EngineConfig(pool_bytes=8 << 20, dtype="auto"))
-    expected = torch.bfloat16 if detect("cpu").bf16_math else torch.float32
+    hw = detect("cpu")
+    expected = torch.bfloat16 if hw.bf16_math or hw.bf16_panels else torch.float32
     assert next(engine.llm("m").model.parameters()).dtype == expected
     out = engine.generate([[1, 2, 3]], None)[0]
     assert out.finished and out.token_ids
