@@ -48,7 +48,7 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-_loaded = LoadOnce(_load, cpu_native.LOAD_ERRORS, "attention on the AVX-512 and torch kernels")
+_loaded = LoadOnce(_load, cpu_native.LOAD_ERRORS, "attention on our other kernels and torch's")
 
 
 def library() -> ctypes.CDLL | None:
