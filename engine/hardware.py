@@ -84,8 +84,9 @@ class Hardware:
         if self.device == "cpu" and slow:
             return (
                 f"{self.describe()}: bfloat16 matmuls have no hardware path on this CPU "
-                "(no AVX512-BF16 or AMX, and no AVX2 for our bf16 panels); its linears "
-                "multiply in float32 from float32 copies and dtype: auto (float32) serves faster"
+                "(no AVX512-BF16 or AMX; our bf16 panels are built for CPUs with AVX2 and no "
+                "AVX-512); its linears multiply in float32 from float32 copies and dtype: auto "
+                "(float32) serves faster"
             )
         return None
 
