@@ -767,13 +767,64 @@ static inline __m256 exp8_f32(__m256 x) {
     return _mm256_blendv_ps(e, _mm256_set1_ps(__builtin_inff()), over);
 }
 
+/* RMSNorm rows as transformers' LlamaRMSNorm rounds them (x times rsqrt(mean of squares + eps),
+ * then times the weight), for AVX2 builds, where zentorch's fused add-and-norm took 2.95 against
+ * torch's add and norm 0.53 ms at 2,048 rows of 576 and 0.068 against 0.046 at 32 (an EPYC of
+ * the Zen 3 generation). ``add_rms_norm_T``: residual += hidden first, the norm into hidden;
+ * ``rms_norm_T``: x's norm into out; ``norm_row_T`` is also the Qwen3 head norm's. The native
+ * layer loop binds add_rms_norm through ``add_rms_norm_call`` (zentorch's signature) on these
+ * builds. bf16 rounds where LlamaRMSNorm (and torch's rms_norm) round in bf16: the residual's
+ * sum, x times the rsqrt, the product with the weight; the sum of squares is float32, in our
+ * order. For a bf16 model on a CPU without bf16 matmuls, torch's composite RMSNorm took ~40 us
+ * a call at 1 row of 576 (61 calls a SmolLM2 step). */
+#define ROUND8_f32(x) (x)
+#define ROUND8_bf16(x) round8_bf16(x)
+#define ROUND_f32(x) (x)
+#define ROUND_bf16(x) bf16_to_f32(f32_to_bf16(x))
+#define DEFINE_NORMS8(T)                                                                           \
+    static inline void norm_row_##T(const T *x, T *out, int64_t dim, const T *w, float eps) {      \
+        __m256 sq = _mm256_setzero_ps();                                                           \
+        int64_t i = 0;                                                                             \
+        for (; i + 8 <= dim; i += 8) {                                                             \
+            const __m256 v = load8_##T(x + i);                                                     \
+            sq = _mm256_fmadd_ps(v, v, sq);                                                        \
+        }                                                                                          \
+        float sum = hsum8(sq);                                                                     \
+        for (; i < dim; i++) sum += LOAD_##T(x, i) * LOAD_##T(x, i);                               \
+        const float inv = 1.0f / __builtin_sqrtf(sum / (float)dim + eps);                          \
+        const __m256 vinv = _mm256_set1_ps(inv);                                                   \
+        for (i = 0; i + 8 <= dim; i += 8) {                                                        \
+            const __m256 y = ROUND8_##T(_mm256_mul_ps(load8_##T(x + i), vinv));                    \
+            store8_##T(out + i, _mm256_mul_ps(y, load8_##T(w + i)));                               \
+        }                                                                                          \
+        for (; i < dim; i++) STORE_##T(out, i, ROUND_##T(LOAD_##T(x, i) * inv) * LOAD_##T(w, i));  \
+    }                                                                                              \
+    void add_rms_norm_##T(T *hidden, T *residual, int64_t rows, int64_t dim, const T *w,           \
+                          double eps, int threads) {                                               \
+        _Pragma("omp parallel for num_threads(threads) if (rows * dim >= 32768) schedule(static)") \
+        for (int64_t r = 0; r < rows; r++) {                                                       \
+            T *h = hidden + r * dim, *res = residual + r * dim;                                    \
+            int64_t i = 0;                                                                         \
+            for (; i + 8 <= dim; i += 8)                                                           \
+                store8_##T(res + i, _mm256_add_ps(load8_##T(res + i), load8_##T(h + i)));          \
+            for (; i < dim; i++) STORE_##T(res, i, LOAD_##T(res, i) + LOAD_##T(h, i));             \
+            norm_row_##T(res, h, dim, w, (float)eps);                                              \
+        }                                                                                          \
+    }                                                                                              \
+    void rms_norm_##T(const T *x, T *out, int64_t rows, int64_t dim, const T *w, double eps,       \
+                      int threads) {                                                               \
+        _Pragma("omp parallel for num_threads(threads) if (rows * dim >= 32768) schedule(static)") \
+        for (int64_t r = 0; r < rows; r++)                                                         \
+            norm_row_##T(x + r * dim, out + r * dim, dim, w, (float)eps);                          \
+    }
+DEFINE_NORMS8(f32)
+DEFINE_NORMS8(bf16)
+
 /* The pointwise steps of float32 and of bf16, the latter rounded where the AVX-512 build's bf16
  * kernels and torch's bf16 ops round (ROUND8_T): bf16 for a model on a CPU without bf16 matmuls
  * (its linears on onednn_calls.c's bf16 panels), whose steps otherwise ran torch's bf16 SiLU,
  * rotation and Qwen3 head norms from the Python loop. The SiLU's exp is exp8_f32 (about an
  * ulp), which bf16's rounding hides as the AVX-512 build's softmax exp does there. */
-#define ROUND8_f32(x) (x)
-#define ROUND8_bf16(x) round8_bf16(x)
 #define DEFINE_POINTWISE8(T)                                                                       \
     void silu_mul_##T(const T *gu, int64_t rows, int64_t gu_rs, int64_t n, T *out, int64_t out_rs, \
                       int threads) {                                                               \
@@ -811,117 +862,13 @@ static inline __m256 exp8_f32(__m256 x) {
     void head_norms_##T(const T *x_, int64_t tokens, int64_t x_rs, int64_t heads, int64_t dim,     \
                         const T *w, double eps, T *out, int threads) {                             \
         _Pragma("omp parallel for num_threads(threads) if (tokens * heads * dim >= 32768) schedule(static)") \
-        for (int64_t t = 0; t < tokens; t++) {                                                     \
-            for (int64_t h = 0; h < heads; h++) {                                                  \
-                const T *x = x_ + t * x_rs + h * dim;                                              \
-                T *o = out + (t * heads + h) * dim;                                                \
-                __m256 sq = _mm256_setzero_ps();                                                   \
-                for (int64_t i = 0; i < dim; i += 8) {                                             \
-                    const __m256 v = load8_##T(x + i);                                             \
-                    sq = _mm256_fmadd_ps(v, v, sq);                                                \
-                }                                                                                  \
-                const float mean = hsum8(sq) / (float)dim;                                         \
-                const __m256 inv = _mm256_set1_ps(1.0f / __builtin_sqrtf(mean + (float)eps));      \
-                for (int64_t i = 0; i < dim; i += 8) {                                             \
-                    const __m256 y = ROUND8_##T(_mm256_mul_ps(load8_##T(x + i), inv));             \
-                    store8_##T(o + i, _mm256_mul_ps(y, load8_##T(w + h * dim + i)));               \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
+        for (int64_t t = 0; t < tokens; t++)                                                       \
+            for (int64_t h = 0; h < heads; h++)                                                    \
+                norm_row_##T(x_ + t * x_rs + h * dim, out + (t * heads + h) * dim, dim,            \
+                             w + h * dim, (float)eps);                                             \
     }
 DEFINE_POINTWISE8(f32)
 DEFINE_POINTWISE8(bf16)
-
-/* RMSNorm of float32 rows, as transformers' LlamaRMSNorm rounds it (x times rsqrt(mean of
- * squares + eps), then times the weight), for AVX2 builds, where zentorch's fused add-and-norm
- * took 2.95 against torch's add and norm 0.53 ms at 2,048 rows of 576 and 0.068 against 0.046
- * at 32 (an EPYC of the Zen 3 generation). ``add_rms_norm_f32``: residual += hidden first, the
- * norm into hidden; ``rms_norm_f32``: x's norm into out. The native layer loop binds the former
- * through ``add_rms_norm_call`` (zentorch's signature) on these builds. */
-/* 1 / sqrt(mean of squares + eps) of a row of ``dim`` values of type T, summed in float32 */
-#define INV_RMS(T)                                                                                 \
-    static inline float inv_rms_##T(const T *x, int64_t dim, float eps) {                          \
-        __m256 sq = _mm256_setzero_ps();                                                           \
-        int64_t i = 0;                                                                             \
-        for (; i + 8 <= dim; i += 8) {                                                             \
-            const __m256 v = load8_##T(x + i);                                                     \
-            sq = _mm256_fmadd_ps(v, v, sq);                                                        \
-        }                                                                                          \
-        float sum = hsum8(sq);                                                                     \
-        for (; i < dim; i++) sum += LOAD_##T(x, i) * LOAD_##T(x, i);                               \
-        return 1.0f / __builtin_sqrtf(sum / (float)dim + eps);                                     \
-    }
-INV_RMS(f32)
-INV_RMS(bf16)
-
-static inline void norm_row(const float *x, float *out, int64_t dim, const float *w, float eps) {
-    const float inv = inv_rms_f32(x, dim, eps);
-    const __m256 vinv = _mm256_set1_ps(inv);
-    int64_t i;
-    for (i = 0; i + 8 <= dim; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv),
-                                                _mm256_loadu_ps(w + i)));
-    for (; i < dim; i++) out[i] = (x[i] * inv) * w[i];
-}
-
-void add_rms_norm_f32(float *hidden, float *residual, int64_t rows, int64_t dim, const float *w,
-                      double eps, int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * dim >= 32768) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        float *h = hidden + r * dim, *res = residual + r * dim;
-        int64_t i = 0;
-        for (; i + 8 <= dim; i += 8)
-            _mm256_storeu_ps(res + i,
-                             _mm256_add_ps(_mm256_loadu_ps(res + i), _mm256_loadu_ps(h + i)));
-        for (; i < dim; i++) res[i] += h[i];
-        norm_row(res, h, dim, w, (float)eps);
-    }
-}
-
-void rms_norm_f32(const float *x, float *out, int64_t rows, int64_t dim, const float *w,
-                  double eps, int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * dim >= 32768) schedule(static)
-    for (int64_t r = 0; r < rows; r++) norm_row(x + r * dim, out + r * dim, dim, w, (float)eps);
-}
-
-/* The same norms of bf16 rows, as LlamaRMSNorm (and torch's rms_norm) computes them in bf16:
- * the residual's sum rounded to bf16, then x times rsqrt(mean of squares + eps) rounded to
- * bf16, then times the weight, rounded again; the sum of squares in float32, in our order. For
- * a bf16 model on a CPU without bf16 matmuls, which runs the Python loop: torch's composite
- * RMSNorm took ~40 us a call there at 1 row of 576 (float32's too), 61 calls a SmolLM2 step. */
-static inline void norm_row_bf16(const bf16 *x, bf16 *out, int64_t dim, const bf16 *w,
-                                 float eps) {
-    const float inv = inv_rms_bf16(x, dim, eps);
-    const __m256 vinv = _mm256_set1_ps(inv);
-    int64_t i = 0;
-    for (; i + 8 <= dim; i += 8) {
-        const __m256 y = round8_bf16(_mm256_mul_ps(load8_bf16(x + i), vinv));
-        store8_bf16(out + i, _mm256_mul_ps(y, load8_bf16(w + i)));
-    }
-    for (; i < dim; i++) {
-        const float y = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * inv));
-        out[i] = f32_to_bf16(y * bf16_to_f32(w[i]));
-    }
-}
-
-void add_rms_norm_bf16(bf16 *hidden, bf16 *residual, int64_t rows, int64_t dim, const bf16 *w,
-                       double eps, int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * dim >= 32768) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        bf16 *h = hidden + r * dim, *res = residual + r * dim;
-        int64_t i = 0;
-        for (; i + 8 <= dim; i += 8)
-            store8_bf16(res + i, _mm256_add_ps(load8_bf16(res + i), load8_bf16(h + i)));
-        for (; i < dim; i++) res[i] = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(h[i]));
-        norm_row_bf16(res, h, dim, w, (float)eps);
-    }
-}
-
-void rms_norm_bf16(const bf16 *x, bf16 *out, int64_t rows, int64_t dim, const bf16 *w,
-                   double eps, int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * dim >= 32768) schedule(static)
-    for (int64_t r = 0; r < rows; r++) norm_row_bf16(x + r * dim, out + r * dim, dim, w, (float)eps);
-}
 
 #include <omp.h>
 static int32_t norm_codes[2] = {-1, -1}; /* torch's shim codes of float32 and bf16 (norms_bind) */
