@@ -157,7 +157,7 @@ def _load(kind: str, dtype: str, folder: str, threads: int, opts: dict):
     torch.set_num_threads(threads)
     if kind == "trae":
         from trae_groups.engine import EngineConfig, LLMEngine, SamplingParams
-        from trae_groups.engine.fast_linear import linear_library
+        from trae_groups.engine.flat_forward import forward_path
 
         config = EngineConfig(
             dtype=dtype,
@@ -176,7 +176,7 @@ def _load(kind: str, dtype: str, folder: str, threads: int, opts: dict):
             "max_num_batched_tokens": config.max_num_batched_tokens,
             "pool_mb": opts["pool_bytes"] >> 20,
             "compile": config.compile,
-            "linear_library": linear_library(config.linear_library),
+            "forward": forward_path(engine.llms["m"].runner.model),
             # in the start-up below; a server answers meanwhile (eagerly)
             "compile_wait_s": round(time.perf_counter() - waited, 1),
         }

@@ -62,7 +62,8 @@ UPCAST_ROWS = 96
 # chunks). Each weight is held once, prepacked by one library: keeping both layouts to pick
 # per row count would double the weights' memory (and zentorch on a plain weight caches a
 # reordered copy of it by itself, the same doubling, unseen by our accounting). Decode is
-# most of what a server does, so "auto" takes zentorch for every row count.
+# most of what a server does, so "auto" takes one library for every row count, per dtype
+# (_zentorch_by_default).
 
 
 def fast_linear_available() -> bool:
@@ -143,8 +144,9 @@ def _load_zentorch_ops() -> bool:
         return False
 
 
-def linear_library(choice: str = "auto") -> str:
-    """ "onednn" or "zentorch": what ``choice`` (one of LINEAR_LIBRARIES) means on this host."""
+def linear_library(choice: str = "auto", dtype: torch.dtype = torch.float32) -> str:
+    """ "onednn" or "zentorch": what ``choice`` (one of LINEAR_LIBRARIES) means on this host
+    for a model whose weights are ``dtype``."""
     if choice not in LINEAR_LIBRARIES:
         raise ValueError(f"linear_library: must be one of {list(LINEAR_LIBRARIES)}, got {choice!r}")
     if choice == "zentorch" and not zentorch_available():
@@ -153,8 +155,25 @@ def linear_library(choice: str = "auto") -> str:
         )
     if choice == "auto":
         amd = cpu_vendor() == "AuthenticAMD"
-        return "zentorch" if amd and zentorch_available() and not _avx2_panels() else "onednn"
+        takes = dtype in _zentorch_by_default() and dtype in zentorch_dtypes()
+        return "zentorch" if amd and takes and zentorch_available() else "onednn"
     return choice
+
+
+def _zentorch_by_default() -> frozenset[torch.dtype]:
+    """The weight dtypes ``auto`` gives zentorch on an AMD CPU where it loads, as measured
+    (bench/zentorch_linear.py, a SmolLM2 step's linears, 2 threads):
+
+    - with AVX-512, bf16 only: zentorch's bf16 took 0.77x oneDNN's time at 1 row, 0.89x at 32
+      (Zen 4) and 0.85x, 0.92x (Zen 5); its float32 1.32x oneDNN's at 32 rows, level at 1 and
+      2,048 (Zen 5: a 32 x 100 float32 run 3.6 s against 4.1-4.3 s on zentorch);
+    - with AVX2 and FMA only, none where our panels over oneDNN's layout run (``_avx2_panels``),
+      else float32 (zentorch 0.72-0.78x oneDNN's time at 1 row on Zen 3)."""
+    if _avx2_panels():
+        return frozenset()
+    if "avx512f" in detect("cpu").cpu_flags:
+        return frozenset({torch.bfloat16})
+    return frozenset({torch.float32})
 
 
 def _avx2_panels() -> bool:
@@ -162,8 +181,7 @@ def _avx2_panels() -> bool:
     AVX2 and no AVX-512: onednn_calls.c), decode and prompt rows alike. On an EPYC of the Zen 3
     generation a SmolLM2 step's 121 float32 linears took 21.3 against zentorch's ~26 ms at 1
     row and 80 against 82 at 32, oneDNN's prefill rows were ~8% faster than zentorch's (2,048
-    rows) and the panels' 0.92x oneDNN's time there, so oneDNN packs; with AVX-512 (Zen 4 and
-    newer) zentorch's measured faster and keeps them."""
+    rows) and the panels' 0.92x oneDNN's time there, so oneDNN packs."""
     return not torch.cpu._is_avx512_supported() and onednn_calls.own_rows_limit(torch.float32) > 0
 
 

@@ -299,7 +299,7 @@ def prepare_forward(model: torch.nn.Module, config) -> bool:
         model.trae_flat = FlatForward(model)
         changed = True
     if config.fast_linear and fast_linear_available():
-        library = linear_library(config.linear_library)
+        library = linear_library(config.linear_library, next(model.parameters()).dtype)
         changed = bool(pack_linears(model, library=library)) or changed
     return changed
 

@@ -354,31 +354,41 @@ def test_zentorch_bf16_linear_matches_a_float32_reference():
         torch.testing.assert_close(packed(x).float(), want, atol=0.1, rtol=0.02)
 
 
+F32, BF16 = torch.float32, torch.bfloat16
+
+
 @pytest.mark.parametrize(
-    ("choice", "vendor", "installed", "avx2_panels", "want"),
+    ("choice", "vendor", "installed", "vector", "dtype", "want"),
     [
-        ("auto", "AuthenticAMD", True, False, "zentorch"),
-        ("auto", "AuthenticAMD", True, True, "onednn"),  # AVX2 only: our panels on oneDNN's
-        ("auto", "GenuineIntel", True, False, "onednn"),
-        ("auto", "AuthenticAMD", False, False, "onednn"),
-        ("onednn", "AuthenticAMD", True, False, "onednn"),
-        ("zentorch", "GenuineIntel", True, False, "zentorch"),
-        ("zentorch", "AuthenticAMD", True, True, "zentorch"),
-        ("zentorch", "AuthenticAMD", False, False, ValueError),
-        ("mkl", "AuthenticAMD", True, False, ValueError),
+        ("auto", "AuthenticAMD", True, "avx512", BF16, "zentorch"),
+        ("auto", "AuthenticAMD", True, "avx512", F32, "onednn"),  # oneDNN's faster on Zen 5
+        ("auto", "AuthenticAMD", True, "avx2", F32, "zentorch"),  # no panels built
+        ("auto", "AuthenticAMD", True, "avx2 panels", F32, "onednn"),  # ours on oneDNN's layout
+        ("auto", "AuthenticAMD", True, "avx2 panels", BF16, "onednn"),
+        ("auto", "GenuineIntel", True, "avx512", BF16, "onednn"),
+        ("auto", "AuthenticAMD", False, "avx512", BF16, "onednn"),
+        ("onednn", "AuthenticAMD", True, "avx512", BF16, "onednn"),
+        ("zentorch", "GenuineIntel", True, "avx512", F32, "zentorch"),
+        ("zentorch", "AuthenticAMD", True, "avx2 panels", F32, "zentorch"),
+        ("zentorch", "AuthenticAMD", False, "avx512", F32, ValueError),
+        ("mkl", "AuthenticAMD", True, "avx512", F32, ValueError),
     ],
 )
-def test_linear_library_is_chosen_by_cpu_and_what_is_installed(
-    monkeypatch, choice, vendor, installed, avx2_panels, want
+def test_linear_library_is_chosen_by_cpu_dtype_and_what_is_installed(
+    monkeypatch, choice, vendor, installed, vector, dtype, want
 ):
+    from trae_groups.engine import hardware
+
+    flags = {"avx512": {"avx512f", "avx512_bf16"}}.get(vector, {"avx2", "fma"})
+    monkeypatch.setattr(hardware, "_cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(fast_linear, "cpu_vendor", lambda: vendor)
     monkeypatch.setattr(fast_linear, "zentorch_available", lambda: installed)
-    monkeypatch.setattr(fast_linear, "_avx2_panels", lambda: avx2_panels)
+    monkeypatch.setattr(fast_linear, "_avx2_panels", lambda: vector == "avx2 panels")
     if want is ValueError:
         with pytest.raises(ValueError, match="linear_library"):
-            linear_library(choice)
+            linear_library(choice, dtype)
     else:
-        assert linear_library(choice) == want
+        assert linear_library(choice, dtype) == want
 
 
 def test_engine_config_checks_linear_library():
