@@ -17,7 +17,9 @@
  *   0.66x the time for 4 x 512 tokens a layer (SmolLM2's heads), the same bits where there
  *   is no window (a block past the first vector's last query adds only masked zeros to it).
  * Head size 64 or 128. Built by trae_kernels/cpu_native.py like cpu_paged.c (AVX-512 builds;
- * an AVX2 twin below).
+ * an AVX2 twin below, float32 only). AVX-512 builds take bf16 queries and pages too (``bf``):
+ * each value widened exactly where it is loaded, the rest as float32's, each output rounded to
+ * bf16 once (prefill_attention_bf16).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,28 +27,30 @@
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 typedef struct {
-    const float *query, *k_cache, *v_cache;
+    const void *query, *k_cache, *v_cache; /* float32, or bf16 (AVX-512 builds) */
     int64_t q_rs, page_s, tok_s, head_s, page_size;
     const int64_t *tables;
     int64_t tab_s;
     int64_t heads, kv_heads;
     float scale;
     int64_t window;
-    float *out;
+    void *out;
     int64_t out_rs;
+    int64_t esize; /* bytes a value */
 } Args;
 
 /* The rows of keys [k0, k0 + n) of KV head kh where they lie, walking the pages (one division
  * a block, not one a key: the page size is not a constant here) */
-static inline void rows_of(const Args *a, const float *cache, const int64_t *table, int64_t k0,
-                           int64_t n, int64_t kh, const float **row) {
+static inline void rows_of(const Args *a, const void *cache, const int64_t *table, int64_t k0,
+                           int64_t n, int64_t kh, const char **row) {
+    const int64_t e = a->esize;
     int64_t page = k0 / a->page_size, at = k0 % a->page_size;
-    const float *base = cache + table[page] * a->page_s + kh * a->head_s;
+    const char *base = (const char *)cache + (table[page] * a->page_s + kh * a->head_s) * e;
     for (int64_t j = 0; j < n; j++) {
-        row[j] = base + at * a->tok_s;
+        row[j] = base + at * a->tok_s * e;
         if (++at == a->page_size && j + 1 < n) {
             at = 0;
-            base = cache + table[++page] * a->page_s + kh * a->head_s;
+            base = (const char *)cache + (table[++page] * a->page_s + kh * a->head_s) * e;
         }
     }
 }
@@ -63,11 +67,19 @@ static inline void rows_of(const Args *a, const float *cache, const int64_t *tab
 
 /* S^T rows of n keys (their K rows) into s0[j] and s1[j] (the item's two vectors of queries;
  * n <= KEYS), GROUP keys at a time: each key's value loaded once serves both. */
-static inline __attribute__((always_inline)) void scores(const float *const *rows, int64_t n,
+/* value d of a row of float32 (bf == 0) or bf16 (widened exactly), in every lane */
+static inline __attribute__((always_inline)) __m512 bcast(const char *row, int d, const int bf) {
+    if (bf)
+        return _mm512_castsi512_ps(_mm512_set1_epi32((int32_t)((const uint16_t *)row)[d] << 16));
+    return _mm512_set1_ps(((const float *)row)[d]);
+}
+
+static inline __attribute__((always_inline)) void scores(const char *const *rows, int64_t n,
                                                          const __m512 *qt0, const __m512 *qt1,
-                                                         const int dim, __m512 *s0, __m512 *s1) {
+                                                         const int dim, const int bf, __m512 *s0,
+                                                         __m512 *s1) {
     for (int64_t j = 0; j < n; j += GROUP) {
-        const float *k[GROUP];
+        const char *k[GROUP];
         __m512 acc0[GROUP], acc1[GROUP];
         for (int i = 0; i < GROUP; i++) {
             k[i] = rows[j + i < n ? j + i : n - 1];
@@ -76,7 +88,7 @@ static inline __attribute__((always_inline)) void scores(const float *const *row
         for (int d = 0; d < dim; d++) {
             const __m512 q0 = qt0[d], q1 = qt1[d];
             for (int i = 0; i < GROUP; i++) {
-                const __m512 kd = _mm512_set1_ps(k[i][d]);
+                const __m512 kd = bcast(k[i], d, bf);
                 acc0[i] = _mm512_fmadd_ps(kd, q0, acc0[i]);
                 acc1[i] = _mm512_fmadd_ps(kd, q1, acc1[i]);
             }
@@ -121,7 +133,8 @@ static inline __attribute__((always_inline)) __m512 softmax_block(__m512 *s, int
 static inline __attribute__((always_inline)) void attend_lanes(const Args *a, int64_t table_row,
                                                                int64_t first_row, int64_t rows,
                                                                int64_t ctx, int64_t h,
-                                                               int64_t qb, const int dim) {
+                                                               int64_t qb, const int dim,
+                                                               const int bf) {
     const int64_t group = a->heads / a->kv_heads, kh = h / group;
     const int64_t first = qb * QUERIES, n = rows - first < QUERIES ? rows - first : QUERIES;
     const int64_t pos0 = ctx - rows + first, top = pos0 + n - 1;
@@ -133,11 +146,20 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
         at[i] = (int32_t)(lane[i] * a->q_rs);
     }
     const __m512i index0 = _mm512_loadu_si512(at), index1 = _mm512_loadu_si512(at + LANES);
-    const float *q = a->query + (first_row + first) * a->q_rs + h * dim;
+    const int64_t q_at = (first_row + first) * a->q_rs + h * dim;
     const __m512 scale = _mm512_set1_ps(a->scale);
     for (int d = 0; d < dim; d++) {
-        qt0[d] = _mm512_mul_ps(_mm512_i32gather_ps(index0, q + d, 4), scale);
-        qt1[d] = _mm512_mul_ps(_mm512_i32gather_ps(index1, q + d, 4), scale);
+        if (bf) { /* 32-bit gathers at 2-byte steps would read past the tensor's last value */
+            const uint16_t *q = (const uint16_t *)a->query + q_at + d;
+            uint32_t w[QUERIES] __attribute__((aligned(64)));
+            for (int i = 0; i < QUERIES; i++) w[i] = (uint32_t)q[at[i]] << 16;
+            qt0[d] = _mm512_mul_ps(_mm512_load_ps((const float *)w), scale);
+            qt1[d] = _mm512_mul_ps(_mm512_load_ps((const float *)w + LANES), scale);
+        } else {
+            const float *q = (const float *)a->query + q_at + d;
+            qt0[d] = _mm512_mul_ps(_mm512_i32gather_ps(index0, q, 4), scale);
+            qt1[d] = _mm512_mul_ps(_mm512_i32gather_ps(index1, q, 4), scale);
+        }
         o0[d] = o1[d] = _mm512_setzero_ps();
     }
     const __m512i base = _mm512_set1_epi32((int32_t)pos0);
@@ -151,10 +173,10 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
     __m512 best1 = best0, total1 = total0;
     for (int64_t k0 = lo; k0 <= top; k0 += KEYS) {
         const int64_t nk = top - k0 + 1 < KEYS ? top - k0 + 1 : KEYS;
-        const float *kr[KEYS], *v[KEYS];
+        const char *kr[KEYS], *v[KEYS];
         rows_of(a, a->k_cache, table, k0, nk, kh, kr);
         rows_of(a, a->v_cache, table, k0, nk, kh, v);
-        scores(kr, nk, qt0, qt1, dim, s0, s1);
+        scores(kr, nk, qt0, qt1, dim, bf, s0, s1);
         const int whole = k0 >= whole_lo && k0 + nk - 1 <= pos0;
         /* the first vector sees no key past its last query: blocks past it add nothing to it
          * (all its lanes masked: P^T zeros), as the blocks a 16-query item never reached */
@@ -174,14 +196,14 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
             if (first_too)
                 for (int64_t j = 0; j < nk; j++)
                     for (int i = 0; i < 8; i++) {
-                        const __m512 vd = _mm512_set1_ps(v[j][d0 + i]);
+                        const __m512 vd = bcast(v[j], d0 + i, bf);
                         acc0[i] = _mm512_fmadd_ps(vd, s0[j], acc0[i]);
                         acc1[i] = _mm512_fmadd_ps(vd, s1[j], acc1[i]);
                     }
             else
                 for (int64_t j = 0; j < nk; j++)
                     for (int i = 0; i < 8; i++)
-                        acc1[i] = _mm512_fmadd_ps(_mm512_set1_ps(v[j][d0 + i]), s1[j], acc1[i]);
+                        acc1[i] = _mm512_fmadd_ps(bcast(v[j], d0 + i, bf), s1[j], acc1[i]);
             for (int i = 0; i < 8; i++) {
                 o0[d0 + i] = acc0[i];
                 o1[d0 + i] = acc1[i];
@@ -197,9 +219,14 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
     }
     const __m512i column = strided16(QUERIES); /* a query's value of 16 dims */
     for (int64_t i = 0; i < n; i++) {
-        float *row = a->out + (first_row + first + i) * a->out_rs + h * dim;
-        for (int d = 0; d < dim; d += 16)
-            _mm512_storeu_ps(row + d, _mm512_i32gather_ps(column, &lanes_of[d][i], 4));
+        const int64_t row = (first_row + first + i) * a->out_rs + h * dim;
+        for (int d = 0; d < dim; d += 16) {
+            const __m512 x = _mm512_i32gather_ps(column, &lanes_of[d][i], 4);
+            if (bf)
+                store16_bf16((bf16 *)a->out + row + d, x); /* rounded once, as torch rounds */
+            else
+                _mm512_storeu_ps((float *)a->out + row + d, x);
+        }
     }
 }
 
@@ -231,14 +258,14 @@ static inline __m256 sees(int64_t k, __m256i pos, int64_t window) {
     return _mm256_castsi256_ps(m);
 }
 
-static inline __attribute__((always_inline)) void scores(const float *const *rows, int64_t n,
+static inline __attribute__((always_inline)) void scores(const char *const *rows, int64_t n,
                                                          const __m256 *qt0, const __m256 *qt1,
                                                          const int dim, __m256 *s0, __m256 *s1) {
     for (int64_t j = 0; j < n; j += GROUP) {
         const float *k[GROUP];
         __m256 acc0[GROUP], acc1[GROUP];
         for (int i = 0; i < GROUP; i++) {
-            k[i] = rows[j + i < n ? j + i : n - 1];
+            k[i] = (const float *)rows[j + i < n ? j + i : n - 1];
             acc0[i] = acc1[i] = _mm256_setzero_ps();
         }
         for (int d = 0; d < dim; d++) {
@@ -290,11 +317,12 @@ static inline __attribute__((always_inline)) __m256 softmax_block(__m256 *s, int
  * folded each key's two P vectors into every multiply-add, 12 loads for 8 of them, and 8 sums
  * left both FMA pipes waiting through their latency. P now stays in registers and 6 dims are
  * 12 sums: 30 layers of 4 x 512-token chunks took 0.80-0.84x the time, the same bits. */
-static inline __attribute__((always_inline)) void weigh(const float *const *v, const __m256 *s0,
+static inline __attribute__((always_inline)) void weigh(const char *const *v_, const __m256 *s0,
                                                         const __m256 *s1, int64_t nk,
                                                         int first_too, int d0, const int n,
                                                         int grew0, __m256 alpha0, int grew1,
                                                         __m256 alpha1, __m256 *o0, __m256 *o1) {
+    const float *const *v = (const float *const *)v_;
     __m256 acc0[6], acc1[6];
     for (int i = 0; i < n; i++) {
         acc0[i] = grew0 ? _mm256_mul_ps(o0[d0 + i], alpha0) : o0[d0 + i];
@@ -339,7 +367,7 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
     }
     const __m256i index0 = _mm256_loadu_si256((const __m256i *)at);
     const __m256i index1 = _mm256_loadu_si256((const __m256i *)(at + LANES));
-    const float *q = a->query + (first_row + first) * a->q_rs + h * dim;
+    const float *q = (const float *)a->query + (first_row + first) * a->q_rs + h * dim;
     const __m256 scale = _mm256_set1_ps(a->scale);
     for (int d = 0; d < dim; d++) {
         qt0[d] = _mm256_mul_ps(_mm256_i32gather_ps(q + d, index0, 4), scale);
@@ -358,7 +386,7 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
     __m256 best1 = best0, total1 = total0;
     for (int64_t k0 = lo; k0 <= top; k0 += KEYS) {
         const int64_t nk = top - k0 + 1 < KEYS ? top - k0 + 1 : KEYS;
-        const float *kr[KEYS], *v[KEYS];
+        const char *kr[KEYS], *v[KEYS];
         rows_of(a, a->k_cache, table, k0, nk, kh, kr);
         rows_of(a, a->v_cache, table, k0, nk, kh, v);
         scores(kr, nk, qt0, qt1, dim, s0, s1);
@@ -386,7 +414,7 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
     const __m256i column = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
                                               _mm256_set1_epi32(QUERIES)); /* 8 dims of a query */
     for (int64_t i = 0; i < n; i++) {
-        float *row = a->out + (first_row + first + i) * a->out_rs + h * dim;
+        float *row = (float *)a->out + (first_row + first + i) * a->out_rs + h * dim;
         for (int d = 0; d < dim; d += 8)
             _mm256_storeu_ps(row + d, _mm256_i32gather_ps(&lanes_of[d][i], column, 4));
     }
@@ -395,9 +423,44 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#ifdef __AVX512F__
+#define ATTEND(a, t, f, r, c, h, qb, dim, bf) attend_lanes(a, t, f, r, c, h, qb, dim, bf)
+#else /* AVX2 builds: float32 only */
+#define ATTEND(a, t, f, r, c, h, qb, dim, bf) attend_lanes(a, t, f, r, c, h, qb, dim)
+#endif
+
 /* Every chunk's rows of ``out`` (chunk c: rows first_row[c] .. + rows[c], the last rows of a
  * context of ctx[c] tokens whose pages are tables row table_row[c]). 0 on success, 1 where
  * the shapes are not this kernel's (nothing written). */
+static int prefill(const Args *a, const int64_t *table_row, const int64_t *first_row,
+                   const int64_t *rows, const int64_t *ctx, int64_t chunks, int64_t dim,
+                   int nthreads, const int bf) {
+    if ((dim != 64 && dim != 128) || a->kv_heads <= 0 || a->heads % a->kv_heads) return 1;
+    int64_t *start = malloc((size_t)(chunks + 1) * sizeof(int64_t)); /* items before chunk c */
+    if (!start) return 1;
+    start[0] = 0;
+    for (int64_t c = 0; c < chunks; c++)
+        start[c + 1] = start[c] + a->heads * ((rows[c] + QUERIES - 1) / QUERIES);
+#pragma omp parallel for schedule(dynamic) num_threads(nthreads)
+    for (int64_t item = 0; item < start[chunks]; item++) {
+        int64_t c = 0;
+        while (item >= start[c + 1]) c++;
+        const int64_t blocks = (rows[c] + QUERIES - 1) / QUERIES, rest = item - start[c];
+        const int64_t h = rest / blocks, qb = blocks - 1 - rest % blocks; /* longest first */
+        const int64_t t = table_row[c], f = first_row[c], r = rows[c], n = ctx[c];
+        if (dim == 64 && bf)
+            ATTEND(a, t, f, r, n, h, qb, 64, 1);
+        else if (dim == 64)
+            ATTEND(a, t, f, r, n, h, qb, 64, 0);
+        else if (bf)
+            ATTEND(a, t, f, r, n, h, qb, 128, 1);
+        else
+            ATTEND(a, t, f, r, n, h, qb, 128, 0);
+    }
+    free(start);
+    return 0;
+}
+
 int prefill_attention_f32(const float *query, int64_t q_rs, const float *k_cache,
                           const float *v_cache, int64_t page_s, int64_t tok_s, int64_t head_s,
                           int64_t page_size, const int64_t *tables, int64_t tab_s,
@@ -405,26 +468,25 @@ int prefill_attention_f32(const float *query, int64_t q_rs, const float *k_cache
                           const int64_t *rows, const int64_t *ctx, int64_t chunks,
                           int64_t heads, int64_t kv_heads, int64_t dim, float scale,
                           int64_t window, float *out, int64_t out_rs, int nthreads) {
-    if ((dim != 64 && dim != 128) || kv_heads <= 0 || heads % kv_heads) return 1;
-    int64_t *start = malloc((size_t)(chunks + 1) * sizeof(int64_t)); /* items before chunk c */
-    if (!start) return 1;
-    start[0] = 0;
-    for (int64_t c = 0; c < chunks; c++)
-        start[c + 1] = start[c] + heads * ((rows[c] + QUERIES - 1) / QUERIES);
-    const Args a = {query, k_cache, v_cache, q_rs, page_s, tok_s, head_s, page_size, tables,
-                    tab_s, heads, kv_heads, scale, window, out, out_rs};
-#pragma omp parallel for schedule(dynamic) num_threads(nthreads)
-    for (int64_t item = 0; item < start[chunks]; item++) {
-        int64_t c = 0;
-        while (item >= start[c + 1]) c++;
-        const int64_t blocks = (rows[c] + QUERIES - 1) / QUERIES, rest = item - start[c];
-        const int64_t h = rest / blocks, qb = blocks - 1 - rest % blocks; /* longest first */
-        if (dim == 64)
-            attend_lanes(&a, table_row[c], first_row[c], rows[c], ctx[c], h, qb, 64);
-        else
-            attend_lanes(&a, table_row[c], first_row[c], rows[c], ctx[c], h, qb, 128);
-    }
-    free(start);
-    return 0;
+    const Args a = {query,  k_cache, v_cache, q_rs,  page_s, tok_s,  head_s, page_size,
+                    tables, tab_s,   heads,   kv_heads, scale, window, out, out_rs, 4};
+    return prefill(&a, table_row, first_row, rows, ctx, chunks, dim, nthreads, 0);
 }
+
+#ifdef __AVX512F__
+/* The same over bf16 queries and pages: values widened exactly, scores, softmax and sums in
+ * float32, each output rounded to bf16 once. For AMD CPUs with AVX512-BF16 and no AMX (Zen 4
+ * and 5), whose bf16 chunks ran zentorch's SDPA over K/V gathered from the pages. */
+int prefill_attention_bf16(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
+                           const bf16 *v_cache, int64_t page_s, int64_t tok_s, int64_t head_s,
+                           int64_t page_size, const int64_t *tables, int64_t tab_s,
+                           const int64_t *table_row, const int64_t *first_row,
+                           const int64_t *rows, const int64_t *ctx, int64_t chunks,
+                           int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                           int64_t window, bf16 *out, int64_t out_rs, int nthreads) {
+    const Args a = {query,  k_cache, v_cache, q_rs,  page_s, tok_s,  head_s, page_size,
+                    tables, tab_s,   heads,   kv_heads, scale, window, out, out_rs, 2};
+    return prefill(&a, table_row, first_row, rows, ctx, chunks, dim, nthreads, 1);
+}
+#endif
 #endif

@@ -1,11 +1,13 @@
-"""Prompt attention over paged K/V in float32 on AVX-512 or AVX2 (``cpu_prompt.c``): a step's prompt
-chunks attend over their pages where they lie, computing only the scores the causal edge
-(and a window) leaves. bf16 chunks take the AMX kernel where the CPU has it (cpu_amx.py);
-``call`` runs either with a step's chunks.
+"""Prompt attention over paged K/V on AVX-512 or AVX2 (``cpu_prompt.c``): a step's prompt chunks
+attend over their pages where they lie, computing only the scores the causal edge (and a
+window) leaves. bf16 chunks take the AMX kernel where the CPU has it (cpu_amx.py); ``call``
+runs either with a step's chunks.
 
-Where it runs: an AVX-512 build of the kernel (or an AVX2 and FMA one: 16 queries an item
-where AVX-512's takes 32), float32 queries and pages, head size 64 or 128. Elsewhere torch's flash kernel runs (attention._prefill_padded and friends).
-``TRAE_NATIVE_PROMPTS=0`` turns it off. Built on first use like ``cpu_native``'s kernels.
+Where it runs: float32 queries and pages in an AVX-512 build of the kernel (or an AVX2 and FMA
+one: 16 queries an item where AVX-512's takes 32), bf16 ones in an AVX-512 build (widened
+exactly, summed in float32, rounded once), head size 64 or 128. Elsewhere zentorch's SDPA or
+torch's flash kernel runs (attention._prefill_padded and friends). ``TRAE_NATIVE_PROMPTS=0``
+turns it off. Built on first use like ``cpu_native``'s kernels.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from trae_groups.kernels.load_once import LoadOnce
 from trae_groups.kernels.thread_switch import ThreadSwitch
 
 SOURCE = Path(__file__).with_name("cpu_prompt.c")
+# the kernel of each dtype (bf16 in AVX-512 builds only)
+_KERNELS = {torch.float32: "prefill_attention_f32", torch.bfloat16: "prefill_attention_bf16"}
 ENV_SWITCH = "TRAE_NATIVE_PROMPTS"  # "0": torch's prompt attention for float32
 HEAD_SIZES = (64, 128)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -38,8 +42,10 @@ def _load() -> ctypes.CDLL:
     lib = cpu_native.built(SOURCE, ENV_SWITCH)
     if not hasattr(lib, "prefill_attention_f32"):
         raise RuntimeError("no AVX-512 or AVX2 on this CPU (or in this compiler)")
-    lib.prefill_attention_f32.argtypes = ARGTYPES
-    lib.prefill_attention_f32.restype = ctypes.c_int
+    for name in _KERNELS.values():
+        if hasattr(lib, name):
+            getattr(lib, name).argtypes = ARGTYPES
+            getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
@@ -68,7 +74,10 @@ def takes(query: torch.Tensor, k_cache, v_cache, dtype: torch.dtype, head_sizes)
 
 def supports(query: torch.Tensor, k_cache, v_cache) -> bool:
     """Whether ``prefill`` takes this layer's prompt chunks."""
-    return takes(query, k_cache, v_cache, torch.float32, HEAD_SIZES) and library() is not None
+    name = _KERNELS.get(query.dtype)
+    if name is None or not takes(query, k_cache, v_cache, query.dtype, HEAD_SIZES):
+        return False
+    return hasattr(library(), name)
 
 
 def call(kernel, query, k_cache, v_cache, batch, scale: float, window: int | None, out) -> None:
@@ -91,5 +100,6 @@ def call(kernel, query, k_cache, v_cache, batch, scale: float, window: int | Non
 
 
 def prefill(query, k_cache, v_cache, batch, scale: float, window: int | None, out) -> None:
-    """``call`` with the float32 kernel (``supports`` said yes)."""
-    call(library().prefill_attention_f32, query, k_cache, v_cache, batch, scale, window, out)
+    """``call`` with the kernel of the query's dtype (``supports`` said yes)."""
+    kernel = getattr(library(), _KERNELS[query.dtype])
+    call(kernel, query, k_cache, v_cache, batch, scale, window, out)
