@@ -537,35 +537,16 @@ int limits(int64_t *max_group, int64_t *max_dim) {
 }
 
 #ifdef __AVX512F__
-/* Pointwise steps of a decoder layer in bf16, rounded where torch rounds them (the file is
- * built with -ffp-contract=off, so a product and a sum stay two roundings): SiLU of the gate
- * rounded to bf16, then its product with the up projection; the rotation's x * cos rounded,
- * then + swapped x * signed sin. torch ran each as two or three kernels with a tensor
- * between them (27 + 26 us a layer at 32 rows of SmolLM2, bf16, Zen 4). */
+/* The pointwise steps of a decoder layer (below, one body for both vector widths). bf16 rounds
+ * where torch rounds (the file is built with -ffp-contract=off, so a product and a sum stay two
+ * roundings): SiLU of the gate rounded to bf16, then its product with the up projection; the
+ * rotation's x * cos rounded, then + swapped x * signed sin. torch ran each as two or three
+ * kernels with a tensor between them (27 + 26 us a layer at 32 rows of SmolLM2, bf16, Zen 4). */
 static inline __m512 exp16_full(__m512 x) { /* any x: e^x, overflowing to inf, 0 below -87 */
     __m512 big = _mm512_set1_ps(88.7f);
     __mmask16 over = _mm512_cmp_ps_mask(x, big, _CMP_GT_OQ);
     __m512 e = exp16(_mm512_min_ps(x, big));
     return _mm512_mask_mov_ps(e, over, _mm512_set1_ps(__builtin_inff()));
-}
-
-/* out[r, i] = bf16(bf16(silu(gate)) * up), gate = gu[r, i], up = gu[r, n + i]; n % 16 == 0 */
-void silu_mul_bf16(const bf16 *gu, int64_t rows, int64_t gu_rs, int64_t n, bf16 *out,
-                   int64_t out_rs, int threads) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-#pragma omp parallel for num_threads(threads) if (rows * n >= 32768) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const bf16 *g = gu + r * gu_rs, *u = g + n;
-        bf16 *o = out + r * out_rs;
-        for (int64_t i = 0; i < n; i += 16) {
-            __m512 x = load16_bf16(g + i);
-            __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), x);
-            __m512 den = _mm512_add_ps(one, exp16_full(neg));
-            __m512 s = round_bf16_16(_mm512_div_ps(x, den));
-            __m512 p = _mm512_mul_ps(s, load16_bf16(u + i));
-            store16_bf16(o + i, p);
-        }
-    }
 }
 
 /* e^x to about an ulp for any x, for float32's SiLU: exp16's 2^(x log2 e) loses the low bits
@@ -591,151 +572,30 @@ static inline __m512 exp16_f32(__m512 x) {
     return _mm512_mask_mov_ps(e, over, _mm512_set1_ps(__builtin_inff()));
 }
 
-/* The float32 steps: the same arithmetic with no rounding between them but IEEE's own. The
- * exp is exp16_f32 (about an ulp), not torch's, so the flat forward's float32 SiLU is this
- * kernel on both its loops (cpu_native.silu_mul), never torch's beside it. */
-void silu_mul_f32(const float *gu, int64_t rows, int64_t gu_rs, int64_t n, float *out,
-                  int64_t out_rs, int threads) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-#pragma omp parallel for num_threads(threads) if (rows * n >= 32768) schedule(static)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gu + r * gu_rs, *u = g + n;
-        float *o = out + r * out_rs;
-        for (int64_t i = 0; i < n; i += 16) {
-            __m512 x = load16_f32(g + i);
-            __m512 den = _mm512_add_ps(one, exp16_f32(_mm512_sub_ps(_mm512_setzero_ps(), x)));
-            store16_f32(o + i, _mm512_mul_ps(_mm512_div_ps(x, den), load16_f32(u + i)));
-        }
-    }
-}
-
-/* out[t, h] = x * cos + swapped(x) * ssin, as rotate_bf16 lays it out; dim % 32 == 0 */
-void rotate_f32(const float *x_, int64_t tokens, int64_t x_rs, int64_t heads, int64_t dim,
-                const float *cos_, const float *ssin_, int64_t cs_rs, float *out, int threads) {
-    const int64_t half = dim / 2;
-#pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= 32768) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos_ + t * cs_rs, *s = ssin_ + t * cs_rs;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *x = x_ + t * x_rs + h * dim;
-            float *o = out + (t * heads + h) * dim;
-            for (int64_t i = 0; i < dim; i += 16) {
-                int64_t j = i < half ? i + half : i - half;
-                __m512 a = _mm512_mul_ps(load16_f32(x + i), load16_f32(c + i));
-                __m512 b = _mm512_mul_ps(load16_f32(x + j), load16_f32(s + i));
-                store16_f32(o + i, _mm512_add_ps(a, b));
-            }
-        }
-    }
-}
-
-/* out[t, h] = bf16(bf16(x * cos) + swapped(x) * ssin), x = x_[t * x_rs + h * dim], cos and
- * ssin [t * cs_rs]; out packed [t, heads, dim]; dim % 32 == 0 */
-void rotate_bf16(const bf16 *x_, int64_t tokens, int64_t x_rs, int64_t heads, int64_t dim,
-                 const bf16 *cos_, const bf16 *ssin_, int64_t cs_rs, bf16 *out, int threads) {
-    const int64_t half = dim / 2;
-#pragma omp parallel for num_threads(threads) if (tokens * heads * dim >= 32768) schedule(static)
-    for (int64_t t = 0; t < tokens; t++) {
-        const bf16 *c = cos_ + t * cs_rs, *s = ssin_ + t * cs_rs;
-        for (int64_t h = 0; h < heads; h++) {
-            const bf16 *x = x_ + t * x_rs + h * dim;
-            bf16 *o = out + (t * heads + h) * dim;
-            for (int64_t i = 0; i < dim; i += 16) {
-                int64_t j = i < half ? i + half : i - half;
-                __m512 a = round_bf16_16(_mm512_mul_ps(load16_bf16(x + i), load16_bf16(c + i)));
-                __m512 b = _mm512_mul_ps(load16_bf16(x + j), load16_bf16(s + i));
-                store16_bf16(o + i, _mm512_add_ps(a, b));
-            }
-        }
-    }
-}
-
-/* Qwen3's RMSNorm over each q and k head, as transformers' Qwen3RMSNorm computes it: the sum
- * of squares in float32, x * rsqrt(mean + eps) rounded to the dtype, then times the head's
- * weight, rounded again. x = x_[t * x_rs + h * dim] (the fused q/k/v output, read in place);
- * w [heads, dim] (q's weight for each query head, then k's); out packed [tokens, heads, dim];
- * dim % 16 == 0. One pass where a copy, a norm and a product were three. */
-#define DEFINE_HEAD_NORMS(T)                                                                 \
-    void head_norms_##T(const T *x_, int64_t tokens, int64_t x_rs, int64_t heads,            \
-                        int64_t dim, const T *w, double eps, T *out, int threads) {          \
-        _Pragma("omp parallel for num_threads(threads) if (tokens * heads * dim >= 32768) schedule(static)") \
-        for (int64_t t = 0; t < tokens; t++) {                                               \
-            for (int64_t h = 0; h < heads; h++) {                                            \
-                const T *x = x_ + t * x_rs + h * dim;                                        \
-                T *o = out + (t * heads + h) * dim;                                          \
-                __m512 sq = _mm512_setzero_ps();                                             \
-                for (int64_t i = 0; i < dim; i += 16) {                                      \
-                    const __m512 v = LOAD16_##T(x + i);                                      \
-                    sq = _mm512_fmadd_ps(v, v, sq);                                          \
-                }                                                                            \
-                const float mean = _mm512_reduce_add_ps(sq) / (float)dim;                    \
-                const __m512 inv = _mm512_set1_ps(1.0f / __builtin_sqrtf(mean + (float)eps)); \
-                for (int64_t i = 0; i < dim; i += 16) {                                      \
-                    const __m512 y = ROUND16_##T(_mm512_mul_ps(LOAD16_##T(x + i), inv));     \
-                    STORE16_##T(o + i, _mm512_mul_ps(y, LOAD16_##T(w + h * dim + i)));       \
-                }                                                                            \
-            }                                                                                \
-        }                                                                                    \
-    }
-#define LOAD16_f32(p) _mm512_loadu_ps(p)
-#define LOAD16_bf16(p) load16_bf16(p)
-#define ROUND16_f32(x) (x)
-#define ROUND16_bf16(x) round_bf16_16(x)
-#define STORE16_f32(p, x) _mm512_storeu_ps(p, x)
-#define STORE16_bf16(p, x) store16_bf16(p, x)
-DEFINE_HEAD_NORMS(f32)
-DEFINE_HEAD_NORMS(bf16)
-
-/* Greedy picks: out[r] = torch.argmax(x[r]) for float32 or bf16 rows of n values (row stride
- * rs): the first index of the row's maximum, or of its first NaN (torch counts NaN above
- * everything). torch's argmax walked a [32, 49152] batch of logits in 1.6 ms here (a scalar
- * reduction); this is a max pass and a find pass over each row, both vector. */
-#define DEFINE_ARGMAX(T)                                                                     \
-    void argmax_rows_##T(const T *x, int64_t rows, int64_t rs, int64_t n, int64_t *out,      \
-                         int threads) {                                                      \
-        _Pragma("omp parallel for num_threads(threads) if (rows * n >= 65536) schedule(static)") \
-        for (int64_t r = 0; r < rows; r++) {                                                 \
-            const T *row = x + r * rs;                                                       \
-            __m512 top = _mm512_set1_ps(-__builtin_inff());                                  \
-            __mmask16 nan = 0;                                                               \
-            int64_t i = 0;                                                                   \
-            for (; i + 16 <= n && !nan; i += 16) {                                           \
-                const __m512 v = LOAD16_##T(row + i);                                 \
-                nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                \
-                top = _mm512_max_ps(top, v);                                                 \
-            }                                                                                \
-            float most = _mm512_reduce_max_ps(top);                                          \
-            int64_t at = -1;                                                                 \
-            if (nan) {                                                                       \
-                at = i - 16 + __builtin_ctz(nan);                                            \
-            } else {                                                                         \
-                for (int64_t j = i; j < n; j++) {                                            \
-                    const float v = LOAD_##T(row, j);                                        \
-                    if (v != v) {                                                            \
-                        at = j;                                                              \
-                        break;                                                               \
-                    }                                                                        \
-                    most = v > most ? v : most;                                              \
-                }                                                                            \
-            }                                                                                \
-            if (at < 0) {                                                                    \
-                const __m512 m = _mm512_set1_ps(most);                                       \
-                for (i = 0; i + 16 <= n; i += 16) {                                          \
-                    const __mmask16 hit =                                                    \
-                        _mm512_cmp_ps_mask(LOAD16_##T(row + i), m, _CMP_EQ_OQ);       \
-                    if (hit) {                                                               \
-                        at = i + __builtin_ctz(hit);                                         \
-                        break;                                                               \
-                    }                                                                        \
-                }                                                                            \
-                for (int64_t j = i; at < 0 && j < n; j++)                                    \
-                    if (LOAD_##T(row, j) == most) at = j;                                    \
-            }                                                                                \
-            out[r] = at < 0 ? 0 : at;                                                        \
-        }                                                                                    \
-    }
-DEFINE_ARGMAX(f32)
-DEFINE_ARGMAX(bf16)
+/* The vector layer of the pointwise steps: 16 lanes. bf16's SiLU takes exp16_full (its
+ * rounding hides exp16's last bits), float32's exp16_f32 (about an ulp). */
+#define VW 16
+typedef __m512 vfloat;
+#define V_LOAD_f32(p) load16_f32(p)
+#define V_LOAD_bf16(p) load16_bf16(p)
+#define V_STORE_f32(p, x) store16_f32(p, x)
+#define V_STORE_bf16(p, x) store16_bf16(p, x)
+#define V_ROUND_f32(x) (x)
+#define V_ROUND_bf16(x) round_bf16_16(x)
+#define V_EXP_f32(x) exp16_f32(x)
+#define V_EXP_bf16(x) exp16_full(x)
+#define V_HSUM(x) _mm512_reduce_add_ps(x)
+#define V_HMAX(x) _mm512_reduce_max_ps(x)
+#define V_NAN_LANES(x) ((unsigned)_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q))
+#define V_EQ_LANES(x, y) ((unsigned)_mm512_cmp_ps_mask(x, y, _CMP_EQ_OQ))
+#define V_SET1 _mm512_set1_ps
+#define V_ZERO _mm512_setzero_ps
+#define V_ADD _mm512_add_ps
+#define V_SUB _mm512_sub_ps
+#define V_MUL _mm512_mul_ps
+#define V_DIV _mm512_div_ps
+#define V_MAX _mm512_max_ps
+#define V_FMADD _mm512_fmadd_ps
 #elif defined(__AVX2__) && defined(__FMA__)
 /* The pointwise steps with AVX2 and FMA only (an EPYC of the Zen 3 generation): the AVX-512
  * kernels' arithmetic on 8 lanes, the same values but for the order of a sum of squares. */
@@ -767,77 +627,86 @@ static inline __m256 exp8_f32(__m256 x) {
     return _mm256_blendv_ps(e, _mm256_set1_ps(__builtin_inff()), over);
 }
 
-/* RMSNorm rows as transformers' LlamaRMSNorm rounds them (x times rsqrt(mean of squares + eps),
- * then times the weight), for AVX2 builds, where zentorch's fused add-and-norm took 2.95 against
- * torch's add and norm 0.53 ms at 2,048 rows of 576 and 0.068 against 0.046 at 32 (an EPYC of
- * the Zen 3 generation). ``add_rms_norm_T``: residual += hidden first, the norm into hidden;
- * ``rms_norm_T``: x's norm into out; ``norm_row_T`` is also the Qwen3 head norm's. The native
- * layer loop binds add_rms_norm through ``add_rms_norm_call`` (zentorch's signature) on these
- * builds. bf16 rounds where LlamaRMSNorm (and torch's rms_norm) round in bf16: the residual's
- * sum, x times the rsqrt, the product with the weight; the sum of squares is float32, in our
- * order. For a bf16 model on a CPU without bf16 matmuls, torch's composite RMSNorm took ~40 us
- * a call at 1 row of 576 (61 calls a SmolLM2 step). */
-#define ROUND8_f32(x) (x)
-#define ROUND8_bf16(x) round8_bf16(x)
+static inline float hmax8(__m256 x) { /* exact: a maximum does not round */
+    float lanes[8], most = -__builtin_inff();
+    _mm256_storeu_ps(lanes, x);
+    for (int l = 0; l < 8; l++) most = lanes[l] > most ? lanes[l] : most;
+    return most;
+}
+
+/* The vector layer of the pointwise steps: 8 lanes; both dtypes' SiLU take exp8_f32 (about an
+ * ulp), which bf16's rounding hides as the AVX-512 build's softmax exp does there. */
+#define VW 8
+typedef __m256 vfloat;
+#define V_LOAD_f32(p) load8_f32(p)
+#define V_LOAD_bf16(p) load8_bf16(p)
+#define V_STORE_f32(p, x) store8_f32(p, x)
+#define V_STORE_bf16(p, x) store8_bf16(p, x)
+#define V_ROUND_f32(x) (x)
+#define V_ROUND_bf16(x) round8_bf16(x)
+#define V_EXP_f32(x) exp8_f32(x)
+#define V_EXP_bf16(x) exp8_f32(x)
+#define V_HSUM(x) hsum8(x)
+#define V_HMAX(x) hmax8(x)
+#define V_NAN_LANES(x) ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)))
+#define V_EQ_LANES(x, y) ((unsigned)_mm256_movemask_ps(_mm256_cmp_ps(x, y, _CMP_EQ_OQ)))
+#define V_SET1 _mm256_set1_ps
+#define V_ZERO _mm256_setzero_ps
+#define V_ADD _mm256_add_ps
+#define V_SUB _mm256_sub_ps
+#define V_MUL _mm256_mul_ps
+#define V_DIV _mm256_div_ps
+#define V_MAX _mm256_max_ps
+#define V_FMADD _mm256_fmadd_ps
+#endif
+
+#ifdef VW
 #define ROUND_f32(x) (x)
 #define ROUND_bf16(x) bf16_to_f32(f32_to_bf16(x))
-#define DEFINE_NORMS8(T)                                                                           \
+
+/* RMSNorm of a row as transformers' LlamaRMSNorm (and Qwen3RMSNorm, over a head) computes it:
+ * the sum of squares in float32, in our order, x * rsqrt(mean + eps) rounded to the dtype, then
+ * times the weight, rounded again. */
+#define DEFINE_NORM_ROW(T)                                                                         \
     static inline void norm_row_##T(const T *x, T *out, int64_t dim, const T *w, float eps) {      \
-        __m256 sq = _mm256_setzero_ps();                                                           \
+        vfloat sq = V_ZERO();                                                                      \
         int64_t i = 0;                                                                             \
-        for (; i + 8 <= dim; i += 8) {                                                             \
-            const __m256 v = load8_##T(x + i);                                                     \
-            sq = _mm256_fmadd_ps(v, v, sq);                                                        \
+        for (; i + VW <= dim; i += VW) {                                                           \
+            const vfloat v = V_LOAD_##T(x + i);                                                    \
+            sq = V_FMADD(v, v, sq);                                                                \
         }                                                                                          \
-        float sum = hsum8(sq);                                                                     \
+        float sum = V_HSUM(sq);                                                                    \
         for (; i < dim; i++) sum += LOAD_##T(x, i) * LOAD_##T(x, i);                               \
         const float inv = 1.0f / __builtin_sqrtf(sum / (float)dim + eps);                          \
-        const __m256 vinv = _mm256_set1_ps(inv);                                                   \
-        for (i = 0; i + 8 <= dim; i += 8) {                                                        \
-            const __m256 y = ROUND8_##T(_mm256_mul_ps(load8_##T(x + i), vinv));                    \
-            store8_##T(out + i, _mm256_mul_ps(y, load8_##T(w + i)));                               \
+        const vfloat vinv = V_SET1(inv);                                                           \
+        for (i = 0; i + VW <= dim; i += VW) {                                                      \
+            const vfloat y = V_ROUND_##T(V_MUL(V_LOAD_##T(x + i), vinv));                          \
+            V_STORE_##T(out + i, V_MUL(y, V_LOAD_##T(w + i)));                                     \
         }                                                                                          \
         for (; i < dim; i++) STORE_##T(out, i, ROUND_##T(LOAD_##T(x, i) * inv) * LOAD_##T(w, i));  \
-    }                                                                                              \
-    void add_rms_norm_##T(T *hidden, T *residual, int64_t rows, int64_t dim, const T *w,           \
-                          double eps, int threads) {                                               \
-        _Pragma("omp parallel for num_threads(threads) if (rows * dim >= 32768) schedule(static)") \
-        for (int64_t r = 0; r < rows; r++) {                                                       \
-            T *h = hidden + r * dim, *res = residual + r * dim;                                    \
-            int64_t i = 0;                                                                         \
-            for (; i + 8 <= dim; i += 8)                                                           \
-                store8_##T(res + i, _mm256_add_ps(load8_##T(res + i), load8_##T(h + i)));          \
-            for (; i < dim; i++) STORE_##T(res, i, LOAD_##T(res, i) + LOAD_##T(h, i));             \
-            norm_row_##T(res, h, dim, w, (float)eps);                                              \
-        }                                                                                          \
-    }                                                                                              \
-    void rms_norm_##T(const T *x, T *out, int64_t rows, int64_t dim, const T *w, double eps,       \
-                      int threads) {                                                               \
-        _Pragma("omp parallel for num_threads(threads) if (rows * dim >= 32768) schedule(static)") \
-        for (int64_t r = 0; r < rows; r++)                                                         \
-            norm_row_##T(x + r * dim, out + r * dim, dim, w, (float)eps);                          \
     }
-DEFINE_NORMS8(f32)
-DEFINE_NORMS8(bf16)
+DEFINE_NORM_ROW(f32)
+DEFINE_NORM_ROW(bf16)
 
-/* The pointwise steps of float32 and of bf16, the latter rounded where the AVX-512 build's bf16
- * kernels and torch's bf16 ops round (ROUND8_T): bf16 for a model on a CPU without bf16 matmuls
- * (its linears on onednn_calls.c's bf16 panels), whose steps otherwise ran torch's bf16 SiLU,
- * rotation and Qwen3 head norms from the Python loop. The SiLU's exp is exp8_f32 (about an
- * ulp), which bf16's rounding hides as the AVX-512 build's softmax exp does there. */
-#define DEFINE_POINTWISE8(T)                                                                       \
+/* silu_mul_T: out[r, i] = silu(gate) * up, gate = gu[r, i], up = gu[r, n + i] (bf16: the SiLU
+ * rounded, then the product); rotate_T: out[t, h] = x * cos + swapped(x) * ssin, x = x_[t * x_rs
+ * + h * dim], cos and ssin [t * cs_rs], out packed [t, heads, dim] (bf16: x * cos rounded);
+ * head_norms_T: Qwen3's RMSNorm over each q and k head (x read in place from the fused q/k/v
+ * output; w [heads, dim], q's weight for each query head, then k's), one pass where a copy, a
+ * norm and a product were three. n and dim multiples of 2 * VW. */
+#define DEFINE_POINTWISE(T)                                                                        \
     void silu_mul_##T(const T *gu, int64_t rows, int64_t gu_rs, int64_t n, T *out, int64_t out_rs, \
                       int threads) {                                                               \
-        const __m256 one = _mm256_set1_ps(1.0f);                                                   \
+        const vfloat one = V_SET1(1.0f);                                                           \
         _Pragma("omp parallel for num_threads(threads) if (rows * n >= 32768) schedule(static)")   \
         for (int64_t r = 0; r < rows; r++) {                                                       \
             const T *g = gu + r * gu_rs, *u = g + n;                                               \
             T *o = out + r * out_rs;                                                               \
-            for (int64_t i = 0; i < n; i += 8) {                                                   \
-                const __m256 x = load8_##T(g + i);                                                 \
-                const __m256 e = exp8_f32(_mm256_sub_ps(_mm256_setzero_ps(), x));                  \
-                const __m256 s = ROUND8_##T(_mm256_div_ps(x, _mm256_add_ps(one, e)));              \
-                store8_##T(o + i, _mm256_mul_ps(s, load8_##T(u + i)));                             \
+            for (int64_t i = 0; i < n; i += VW) {                                                  \
+                const vfloat x = V_LOAD_##T(g + i);                                                \
+                const vfloat den = V_ADD(one, V_EXP_##T(V_SUB(V_ZERO(), x)));                      \
+                const vfloat s = V_ROUND_##T(V_DIV(x, den));                                       \
+                V_STORE_##T(o + i, V_MUL(s, V_LOAD_##T(u + i)));                                   \
             }                                                                                      \
         }                                                                                          \
     }                                                                                              \
@@ -850,11 +719,11 @@ DEFINE_NORMS8(bf16)
             for (int64_t h = 0; h < heads; h++) {                                                  \
                 const T *x = x_ + t * x_rs + h * dim;                                              \
                 T *o = out + (t * heads + h) * dim;                                                \
-                for (int64_t i = 0; i < dim; i += 8) {                                             \
+                for (int64_t i = 0; i < dim; i += VW) {                                            \
                     const int64_t j = i < half ? i + half : i - half;                              \
-                    const __m256 a = ROUND8_##T(_mm256_mul_ps(load8_##T(x + i), load8_##T(c + i))); \
-                    const __m256 b = _mm256_mul_ps(load8_##T(x + j), load8_##T(s + i));           \
-                    store8_##T(o + i, _mm256_add_ps(a, b));                                        \
+                    const vfloat a = V_ROUND_##T(V_MUL(V_LOAD_##T(x + i), V_LOAD_##T(c + i)));     \
+                    const vfloat b = V_MUL(V_LOAD_##T(x + j), V_LOAD_##T(s + i));                  \
+                    V_STORE_##T(o + i, V_ADD(a, b));                                               \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
@@ -867,8 +736,89 @@ DEFINE_NORMS8(bf16)
                 norm_row_##T(x_ + t * x_rs + h * dim, out + (t * heads + h) * dim, dim,            \
                              w + h * dim, (float)eps);                                             \
     }
-DEFINE_POINTWISE8(f32)
-DEFINE_POINTWISE8(bf16)
+DEFINE_POINTWISE(f32)
+DEFINE_POINTWISE(bf16)
+
+/* Greedy picks: out[r] = torch.argmax(x[r]) for float32 or bf16 rows of n values (row stride
+ * rs): the first index of the row's maximum, or of its first NaN (torch counts NaN above
+ * everything). torch's argmax walked a [32, 49152] batch of logits in 1.6 ms here (a scalar
+ * reduction); this is a max pass and a find pass over each row, both vector. */
+#define DEFINE_ARGMAX(T)                                                                           \
+    void argmax_rows_##T(const T *x, int64_t rows, int64_t rs, int64_t n, int64_t *out,            \
+                         int threads) {                                                            \
+        _Pragma("omp parallel for num_threads(threads) if (rows * n >= 65536) schedule(static)")   \
+        for (int64_t r = 0; r < rows; r++) {                                                       \
+            const T *row = x + r * rs;                                                             \
+            vfloat top = V_SET1(-__builtin_inff());                                                \
+            unsigned nan = 0;                                                                      \
+            int64_t i = 0;                                                                         \
+            for (; i + VW <= n && !nan; i += VW) {                                                 \
+                const vfloat v = V_LOAD_##T(row + i);                                              \
+                nan = V_NAN_LANES(v);                                                              \
+                top = V_MAX(top, v);                                                               \
+            }                                                                                      \
+            float most = V_HMAX(top);                                                              \
+            int64_t at = -1;                                                                       \
+            if (nan) {                                                                             \
+                at = i - VW + __builtin_ctz(nan);                                                  \
+            } else {                                                                               \
+                for (int64_t j = i; j < n; j++) {                                                  \
+                    const float v = LOAD_##T(row, j);                                              \
+                    if (v != v) {                                                                  \
+                        at = j;                                                                    \
+                        break;                                                                     \
+                    }                                                                              \
+                    most = v > most ? v : most;                                                    \
+                }                                                                                  \
+            }                                                                                      \
+            if (at < 0) {                                                                          \
+                const vfloat m = V_SET1(most);                                                     \
+                for (i = 0; i + VW <= n; i += VW) {                                                \
+                    const unsigned hit = V_EQ_LANES(V_LOAD_##T(row + i), m);                       \
+                    if (hit) {                                                                     \
+                        at = i + __builtin_ctz(hit);                                               \
+                        break;                                                                     \
+                    }                                                                              \
+                }                                                                                  \
+                for (int64_t j = i; at < 0 && j < n; j++)                                          \
+                    if (LOAD_##T(row, j) == most) at = j;                                          \
+            }                                                                                      \
+            out[r] = at < 0 ? 0 : at;                                                              \
+        }                                                                                          \
+    }
+DEFINE_ARGMAX(f32)
+DEFINE_ARGMAX(bf16)
+#endif
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* RMSNorm rows for AVX2 builds, where zentorch's fused add-and-norm took 2.95 against torch's
+ * add and norm 0.53 ms at 2,048 rows of 576 and 0.068 against 0.046 at 32 (an EPYC of the Zen 3
+ * generation). ``add_rms_norm_T``: residual += hidden first (bf16: the sum rounded), the norm
+ * into hidden; ``rms_norm_T``: x's norm into out. The native layer loop binds add_rms_norm
+ * through ``add_rms_norm_call`` (zentorch's signature) on these builds. For a bf16 model on a
+ * CPU without bf16 matmuls torch's composite RMSNorm took ~40 us a call at 1 row of 576 (61
+ * calls a SmolLM2 step). AVX-512 builds take zentorch's norms. */
+#define DEFINE_ROW_NORMS(T)                                                                        \
+    void add_rms_norm_##T(T *hidden, T *residual, int64_t rows, int64_t dim, const T *w,           \
+                          double eps, int threads) {                                               \
+        _Pragma("omp parallel for num_threads(threads) if (rows * dim >= 32768) schedule(static)") \
+        for (int64_t r = 0; r < rows; r++) {                                                       \
+            T *h = hidden + r * dim, *res = residual + r * dim;                                    \
+            int64_t i = 0;                                                                         \
+            for (; i + VW <= dim; i += VW)                                                         \
+                V_STORE_##T(res + i, V_ADD(V_LOAD_##T(res + i), V_LOAD_##T(h + i)));               \
+            for (; i < dim; i++) STORE_##T(res, i, LOAD_##T(res, i) + LOAD_##T(h, i));             \
+            norm_row_##T(res, h, dim, w, (float)eps);                                              \
+        }                                                                                          \
+    }                                                                                              \
+    void rms_norm_##T(const T *x, T *out, int64_t rows, int64_t dim, const T *w, double eps,       \
+                      int threads) {                                                               \
+        _Pragma("omp parallel for num_threads(threads) if (rows * dim >= 32768) schedule(static)") \
+        for (int64_t r = 0; r < rows; r++)                                                         \
+            norm_row_##T(x + r * dim, out + r * dim, dim, w, (float)eps);                          \
+    }
+DEFINE_ROW_NORMS(f32)
+DEFINE_ROW_NORMS(bf16)
 
 #include <omp.h>
 static int32_t norm_codes[2] = {-1, -1}; /* torch's shim codes of float32 and bf16 (norms_bind) */
@@ -889,55 +839,4 @@ int32_t add_rms_norm_call(void *hidden, void *residual, int64_t rows, int64_t di
         return -1;
     return 0;
 }
-
-/* argmax_rows_T of the AVX-512 build on 8 lanes: the first index of a row's maximum, or of
- * its first NaN */
-#define DEFINE_ARGMAX8(T)                                                                          \
-    void argmax_rows_##T(const T *x, int64_t rows, int64_t rs, int64_t n, int64_t *out,            \
-                         int threads) {                                                            \
-        _Pragma("omp parallel for num_threads(threads) if (rows * n >= 65536) schedule(static)")   \
-        for (int64_t r = 0; r < rows; r++) {                                                       \
-            const T *row = x + r * rs;                                                             \
-            __m256 top = _mm256_set1_ps(-__builtin_inff());                                        \
-            int nan = 0;                                                                           \
-            int64_t i = 0;                                                                         \
-            for (; i + 8 <= n && !nan; i += 8) {                                                   \
-                const __m256 v = load8_##T(row + i);                                               \
-                nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));                       \
-                top = _mm256_max_ps(top, v);                                                       \
-            }                                                                                      \
-            float lanes[8], most = -__builtin_inff();                                              \
-            _mm256_storeu_ps(lanes, top);                                                          \
-            for (int l = 0; l < 8; l++) most = lanes[l] > most ? lanes[l] : most;                  \
-            int64_t at = -1;                                                                       \
-            if (nan) {                                                                             \
-                at = i - 8 + __builtin_ctz(nan);                                                   \
-            } else {                                                                               \
-                for (int64_t j = i; j < n; j++) {                                                  \
-                    const float v = LOAD_##T(row, j);                                              \
-                    if (v != v) {                                                                  \
-                        at = j;                                                                    \
-                        break;                                                                     \
-                    }                                                                              \
-                    most = v > most ? v : most;                                                    \
-                }                                                                                  \
-            }                                                                                      \
-            if (at < 0) {                                                                          \
-                const __m256 m = _mm256_set1_ps(most);                                             \
-                for (i = 0; i + 8 <= n; i += 8) {                                                  \
-                    const int hit =                                                                \
-                        _mm256_movemask_ps(_mm256_cmp_ps(load8_##T(row + i), m, _CMP_EQ_OQ));      \
-                    if (hit) {                                                                     \
-                        at = i + __builtin_ctz(hit);                                               \
-                        break;                                                                     \
-                    }                                                                              \
-                }                                                                                  \
-                for (int64_t j = i; at < 0 && j < n; j++)                                          \
-                    if (LOAD_##T(row, j) == most) at = j;                                          \
-            }                                                                                      \
-            out[r] = at < 0 ? 0 : at;                                                              \
-        }                                                                                          \
-    }
-DEFINE_ARGMAX8(f32)
-DEFINE_ARGMAX8(bf16)
 #endif
