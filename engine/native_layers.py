@@ -46,8 +46,10 @@ class NativeLayers:
         with ``residual`` updated in place as the Python loop leaves it; None where the
         step or a layer is not what the native loop takes. ``attend`` is the eager step's
         ``PagedAttend``; ``cos`` and ``sin`` the step's rotary tables [T, 1, dim]."""
+        if self.failed or not flat.zen_norms or torch.compiler.is_compiling():
+            return None  # (dynamo cannot trace the kernel library's load lock)
         kind = zen_layers.step_kind(x.dtype)
-        if self.failed or not flat.zen_norms or kind is None:
+        if kind is None:
             return None
         if not hasattr(attend, "native_rows"):
             return None

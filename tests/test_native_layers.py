@@ -8,7 +8,9 @@ logprob for logprob."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -194,6 +196,38 @@ def test_unpacked_linears_keep_the_python_loop_and_model_info_says_which(wide_ll
     assert ran and path.startswith(f"trae (fused projections); linears: {library}")
     assert path.endswith("; layer loop: native")
     assert paths[False] == ("trae (fused projections)", False)
+
+
+COMPILED = """
+import sys
+from trae_groups.engine import EngineConfig, LLMEngine, SamplingParams
+config = EngineConfig(dtype=sys.argv[2], fast_linear=True, pool_bytes=8 << 20, compile=True,
+                      compile_batch_sizes=(1,))
+with LLMEngine({"m": sys.argv[1]}, config) as eng:
+    eng.size_pool()  # compiles now, before any eager step has loaded the kernels
+    out = eng.generate([list(range(5, 30))], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert eng.llms["m"].runner.compiled.steps > 0
+    print(out[0].token_ids)
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor needs a C++ compiler")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compiled_decode_steps_run_beside_it(wide_llms, dtype):
+    """compile=True where the native loop runs the eager steps, in a fresh process: dynamo
+    traces the Python loop (it had traced into the kernel library's load lock, which the
+    first step takes, and the engine failed at start-up). float32 gives the eager engine's
+    greedy tokens; bf16's may differ by a rounding (compiled steps take torch's norms)."""
+    path = wide_llms["llama"]
+    done = subprocess.run([sys.executable, "-c", COMPILED, str(path), dtype],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(got) == 8
+    if dtype == "float32":
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        with engine({"m": path}, dtype=dtype, fast_linear=True) as eng:
+            assert got == eng.generate([list(range(5, 30))], params)[0].token_ids
 
 
 @pytest.mark.skipif(
