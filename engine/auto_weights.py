@@ -22,6 +22,7 @@ from trae_groups.engine import accuracy_gate
 from trae_groups.engine.hardware import Hardware
 from trae_groups.engine.tasks import generates
 from trae_groups.engine.weights import LoadedModel, WeightStore
+from trae_groups.kernels import onednn_calls
 
 log = logging.getLogger("trae_groups.engine")
 
@@ -52,7 +53,9 @@ def candidates(
         # GPU int8/fp8 weights are not implemented: a quantization: auto there stays float
     if dtype_auto and hw.bf16_math:
         tried.append(WeightChoice(torch.bfloat16, None, f"{hw.describe()}: bf16 matmuls"))
-    elif dtype_auto and hw.bf16_panels:
+    elif dtype_auto and hw.bf16_panels and onednn_calls.bf16_panels_built():
+        # (without a C compiler the panels are not built, and bf16 weights would be float32
+        # copies at float32's speed: no reason to try bf16)
         why = f"{hw.describe()}: bf16 weights on our AVX2 panels, half float32's bytes"
         tried.append(WeightChoice(torch.bfloat16, None, why))
     elif dtype_auto and hw.device == "cuda":

@@ -20,6 +20,7 @@ from trae_groups.engine.hardware import Hardware
 from trae_groups.engine.llm_runner import ATTN_NAME
 from trae_groups.engine.sampling import SamplingParams
 from trae_groups.engine.weights import WeightStore, tensor_slots
+from trae_groups.kernels import onednn_calls
 
 needs_int8 = pytest.mark.skipif(not quant.int8_available(), reason="no fbgemm/x86 int8 kernels")
 VNNI_BF16 = Hardware("cpu", frozenset({"avx512_vnni", "avx512_bf16"}))
@@ -108,7 +109,9 @@ def test_engine_serves_compressed_weights_with_greedy_agreement(llama_dir, confi
     assert sum(g[0] == w[0] for g, w in zip(got, want, strict=True)) >= 6
 
 
-def test_auto_choice_is_a_function_of_the_hardware():
+def test_auto_choice_is_a_function_of_the_hardware(monkeypatch):
+    monkeypatch.setattr(onednn_calls, "bf16_panels_built", lambda: True)  # as on an AVX2 CPU
+
     def labels(hw, **kw):
         return [c.label for c in candidates(hw, "generate", **kw)]
 
@@ -121,6 +124,9 @@ def test_auto_choice_is_a_function_of_the_hardware():
     avx2 = Hardware("cpu", frozenset({"avx2", "fma"}))
     assert labels(avx2, **both) == ["bfloat16", "float32"]
     assert labels(Hardware("cpu", avx2.cpu_flags | {"avx512f"}), **both) == ["float32"]
+    with monkeypatch.context() as no_compiler:  # the panels not built: float32 copies, no gain
+        no_compiler.setattr(onednn_calls, "bf16_panels_built", lambda: False)
+        assert labels(avx2, **both) == ["float32"]
     assert labels(Hardware("cuda", cuda_capability=(9, 0)), **both) == ["bfloat16", "float32"]
     assert labels(Hardware("cuda", cuda_capability=(7, 5)), **both) == ["float16", "float32"]
     # only one of the two "auto": the other stays as the graph says

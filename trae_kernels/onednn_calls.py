@@ -176,11 +176,16 @@ def linear(
 PANEL = 64
 
 
+def bf16_panels_built() -> bool:
+    """Whether ``bf16_panels`` runs here: an AVX2 build (a CPU with AVX2 and no AVX-512, and a
+    C compiler to build it)."""
+    return hasattr(library(), "onednn_bf16_panels")
+
+
 def bf16_panels_take(out_features: int) -> bool:
-    """Whether ``bf16_panels`` multiplies a bf16 weight of this many outputs here: AVX2 builds
-    (a CPU with AVX2 and no AVX-512), whole panels of 64 columns."""
-    lib = library()
-    return lib is not None and hasattr(lib, "onednn_bf16_panels") and out_features % PANEL == 0
+    """Whether ``bf16_panels`` multiplies a bf16 weight of this many outputs here: whole
+    panels of 64 columns, where they are built."""
+    return bf16_panels_built() and out_features % PANEL == 0
 
 
 def bf16_panels_of(weight: torch.Tensor) -> torch.Tensor:
