@@ -24,7 +24,7 @@ from trae_groups.kernels.thread_switch import ThreadSwitch
 SOURCE = Path(__file__).with_name("cpu_prompt.c")
 # the kernel of each dtype (bf16 in AVX-512 builds only)
 _KERNELS = {torch.float32: "prefill_attention_f32", torch.bfloat16: "prefill_attention_bf16"}
-ENV_SWITCH = "TRAE_NATIVE_PROMPTS"  # "0": torch's prompt attention for float32
+ENV_SWITCH = "TRAE_NATIVE_PROMPTS"  # "0": zentorch's or torch's prompt attention instead
 HEAD_SIZES = (64, 128)
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # a prompt kernel's arguments (cpu_prompt.c's and cpu_amx.c's are the same)
