@@ -38,6 +38,7 @@
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include "cpu_prompt_args.h"
 #include "cpu_tiles.h"
 #include "cpu_vec.h"
 
@@ -294,13 +295,7 @@ static void attend_block(const Args *a, const Chunk *c, int64_t h, int64_t qb, i
 /* Every chunk's rows of ``out`` (chunk c: rows first_row[c] .. + rows[c], the last rows of a
  * context of ctx[c] tokens whose pages are tables row table_row[c]). 0 on success, 1 where
  * the shapes are not this kernel's (nothing written), 2 where scratch memory ran out. */
-int prefill_attention_amx(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
-                          const bf16 *v_cache, int64_t page_s, int64_t tok_s, int64_t head_s,
-                          int64_t page_size, const int64_t *tables, int64_t tab_s,
-                          const int64_t *table_row, const int64_t *first_row,
-                          const int64_t *rows, const int64_t *ctx, int64_t chunks,
-                          int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                          int64_t window, bf16 *out, int64_t out_rs, int nthreads) {
+int prefill_attention_amx(PROMPT_ARGS(bf16)) {
     if ((dim != 64 && dim != 128) || page_size % TILE || heads % kv_heads || q_rs % 2) return 1;
     const int64_t passes = dim / OUT_DIMS; /* over the output dims, the scores each time */
     Chunk *cs = malloc((size_t)chunks * sizeof(Chunk));

@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_prompt_args.h"
+
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 typedef struct {
     const void *query, *k_cache, *v_cache; /* float32, or bf16 (AVX-512 builds) */
@@ -461,32 +463,19 @@ static int prefill(const Args *a, const int64_t *table_row, const int64_t *first
     return 0;
 }
 
-int prefill_attention_f32(const float *query, int64_t q_rs, const float *k_cache,
-                          const float *v_cache, int64_t page_s, int64_t tok_s, int64_t head_s,
-                          int64_t page_size, const int64_t *tables, int64_t tab_s,
-                          const int64_t *table_row, const int64_t *first_row,
-                          const int64_t *rows, const int64_t *ctx, int64_t chunks,
-                          int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                          int64_t window, float *out, int64_t out_rs, int nthreads) {
-    const Args a = {query,  k_cache, v_cache, q_rs,  page_s, tok_s,  head_s, page_size,
-                    tables, tab_s,   heads,   kv_heads, scale, window, out, out_rs, 4};
-    return prefill(&a, table_row, first_row, rows, ctx, chunks, dim, nthreads, 0);
-}
-
+/* prefill's entry for each dtype: T the values, E their bytes, BF whether bf16 */
+#define DEFINE_PROMPT_ENTRY(T, E, BF)                                                        \
+    int prefill_attention_##T(PROMPT_ARGS(T)) {                                              \
+        const Args a = {query,  k_cache, v_cache,  q_rs,  page_s, tok_s, head_s, page_size,   \
+                        tables, tab_s,   heads,    kv_heads, scale, window, out, out_rs, E};  \
+        return prefill(&a, table_row, first_row, rows, ctx, chunks, dim, nthreads, BF);     \
+    }
+typedef float f32;
+DEFINE_PROMPT_ENTRY(f32, 4, 0)
 #ifdef __AVX512F__
 /* The same over bf16 queries and pages: values widened exactly, scores, softmax and sums in
  * float32, each output rounded to bf16 once. For AMD CPUs with AVX512-BF16 and no AMX (Zen 4
  * and 5), whose bf16 chunks ran zentorch's SDPA over K/V gathered from the pages. */
-int prefill_attention_bf16(const bf16 *query, int64_t q_rs, const bf16 *k_cache,
-                           const bf16 *v_cache, int64_t page_s, int64_t tok_s, int64_t head_s,
-                           int64_t page_size, const int64_t *tables, int64_t tab_s,
-                           const int64_t *table_row, const int64_t *first_row,
-                           const int64_t *rows, const int64_t *ctx, int64_t chunks,
-                           int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                           int64_t window, bf16 *out, int64_t out_rs, int nthreads) {
-    const Args a = {query,  k_cache, v_cache, q_rs,  page_s, tok_s,  head_s, page_size,
-                    tables, tab_s,   heads,   kv_heads, scale, window, out, out_rs, 2};
-    return prefill(&a, table_row, first_row, rows, ctx, chunks, dim, nthreads, 1);
-}
+DEFINE_PROMPT_ENTRY(bf16, 2, 1)
 #endif
 #endif
