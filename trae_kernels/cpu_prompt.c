@@ -436,7 +436,8 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
  * the shapes are not this kernel's (nothing written). */
 static int prefill(const Args *a, const int64_t *table_row, const int64_t *first_row,
                    const int64_t *rows, const int64_t *ctx, int64_t chunks, int64_t dim,
-                   int nthreads, const int bf) {
+                   int nthreads) {
+    const int bf = a->esize == 2; /* bf16 values (AVX-512 builds), else float32 */
     if ((dim != 64 && dim != 128) || a->kv_heads <= 0 || a->heads % a->kv_heads) return 1;
     int64_t *start = malloc((size_t)(chunks + 1) * sizeof(int64_t)); /* items before chunk c */
     if (!start) return 1;
@@ -463,19 +464,20 @@ static int prefill(const Args *a, const int64_t *table_row, const int64_t *first
     return 0;
 }
 
-/* prefill's entry for each dtype: T the values, E their bytes, BF whether bf16 */
-#define DEFINE_PROMPT_ENTRY(T, E, BF)                                                        \
+/* prefill's entry for values of type T */
+#define DEFINE_PROMPT_ENTRY(T)                                                               \
     int prefill_attention_##T(PROMPT_ARGS(T)) {                                              \
         const Args a = {query,  k_cache, v_cache,  q_rs,  page_s, tok_s, head_s, page_size,   \
-                        tables, tab_s,   heads,    kv_heads, scale, window, out, out_rs, E};  \
-        return prefill(&a, table_row, first_row, rows, ctx, chunks, dim, nthreads, BF);     \
+                        tables, tab_s,   heads,    kv_heads, scale, window, out, out_rs,      \
+                        sizeof(T)};                                                           \
+        return prefill(&a, table_row, first_row, rows, ctx, chunks, dim, nthreads);         \
     }
 typedef float f32;
-DEFINE_PROMPT_ENTRY(f32, 4, 0)
+DEFINE_PROMPT_ENTRY(f32)
 #ifdef __AVX512F__
 /* The same over bf16 queries and pages: values widened exactly, scores, softmax and sums in
  * float32, each output rounded to bf16 once. For AMD CPUs with AVX512-BF16 and no AMX (Zen 4
  * and 5), whose bf16 chunks ran zentorch's SDPA over K/V gathered from the pages. */
-DEFINE_PROMPT_ENTRY(bf16, 2, 1)
+DEFINE_PROMPT_ENTRY(bf16)
 #endif
 #endif
