@@ -27,6 +27,11 @@
  * (16 ahead: 15.9, 64: 14.8, 128: 11.0 without the early ones; SmolLM2's heads, bf16, 30
  * layers, Zen 5). Pages laid out layer by layer instead read 6.8: the layout is not it. */
 #define AHEAD 32
+/* The AVX-512 loop's distance, in bytes of the heads it reads a key (so 10 keys of a SmolLM2
+ * row's float32 K and V, 32 of one head's): 2, 4, 8 and 16 KB read alike on Zen 5. */
+#define AHEAD_BYTES 8192
+#define MAX_HEADS 32     /* query heads a row loop takes at once */
+#define HEAD_VECTORS 256 /* ... and their 16-lane vectors (AVX-512: q and sums, 16 KB each) */
 
 typedef uint16_t bf16;
 
@@ -54,6 +59,10 @@ static inline void prefetch_key(const void *k_cache, const void *v_cache,
         __builtin_prefetch((const char *)v_cache + at + b, 0, 3);
     }
 }
+/* key j's rows of the heads a call reads: prefetch_key from its first head over them all */
+#define PREFETCH_HEADS(T, j)                                                                 \
+    prefetch_key(k_cache, v_cache, table, (j), page_size, page_s, tok_s, head_s, 0, row_bytes, \
+                 sizeof(T))
 #define PREFETCH_KEY(T, j)                                                                   \
     prefetch_key(k_cache, v_cache, table, (j), page_size, page_s, tok_s, head_s, kh,         \
                  dim * (int64_t)sizeof(T), (int64_t)sizeof(T))
@@ -187,90 +196,175 @@ static inline bf16 f32_to_bf16(float f) { /* round to nearest even, NaN kept NaN
 typedef float f32;
 
 #ifdef __AVX512F__
-/* The same loop with AVX-512 registers: a key's row is loaded once (bf16 widened by a shift)
- * for every query head of its group, dot products reduce in-register, exp is a vector
- * polynomial (relative error ~1e-7), and the group's accumulators stay in registers for the
- * usual head sizes (64, 128: the dimension is a compile-time constant there). */
+/* The same attention with AVX-512 registers (heads512 below): bf16 widened by a shift where it
+ * is loaded, 16 keys' dot products summed at once, exp a vector polynomial (relative error
+ * ~1e-7), and the sums in registers for the usual head sizes (64, 128: the dimension is a
+ * compile-time constant there). */
 #include "cpu_vec.h"
 
-#define DEFINE_ITEM512(T)                                                                    \
-    static inline __attribute__((always_inline)) void item512_##T(                           \
+/* Lane i of the result: the sum of s[i]'s 16 lanes, by a tree of shuffles: 30 shuffles and 15
+ * additions for 16 sums, where a reduction a vector takes 64 and 48 (and a store a score). */
+static inline __attribute__((always_inline)) __m512 sum16x16(const __m512 s[16]) {
+    __m512 x[8], y[4];
+    for (int i = 0; i < 8; i++) /* in each 128-bit quarter: a0+a2 b0+b2 a1+a3 b1+b3 */
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(s[2 * i], s[2 * i + 1]),
+                             _mm512_unpackhi_ps(s[2 * i], s[2 * i + 1]));
+    for (int i = 0; i < 4; i++) { /* in each quarter: four vectors' sums over the quarter */
+        const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+        y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* quarters 0+1 and 2+3 of y0..y3, then the two halves: vector 4i+k's sum in lane 4i+k */
+    const __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88),
+                                    _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+    const __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], 0x88),
+                                    _mm512_shuffle_f32x4(y[2], y[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x88), _mm512_shuffle_f32x4(z0, z1, 0xdd));
+}
+
+/* One head's online-softmax step over a block of n scores (64-byte aligned): the scores become
+ * e^(score - running maximum), the head's maximum and sum move on, and the factor its weighted
+ * sums so far must be scaled by is returned (1 where the maximum held; 0 on the first block).
+ * A NaN score is passed over by the maximum, as the scalar comparison did. */
+static inline float softmax_block16(float *score, int64_t n, float *best, float *total) {
+    __m512 vtop = _mm512_set1_ps(*best);
+    for (int64_t jj = 0; jj < n; jj += 16) {
+        const __mmask16 m = n - jj >= 16 ? 0xffff : (__mmask16)((1u << (n - jj)) - 1);
+        vtop = _mm512_mask_max_ps(vtop, m, _mm512_maskz_loadu_ps(m, score + jj), vtop);
+    }
+    const float top = _mm512_reduce_max_ps(vtop); /* exact: a maximum does not round */
+    const float rescale = expf(*best - top);
+    vtop = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t jj = 0; jj < n; jj += 16) {
+        const __mmask16 m = n - jj >= 16 ? 0xffff : (__mmask16)((1u << (n - jj)) - 1);
+        __m512 x = _mm512_maskz_loadu_ps(m, score + jj);
+        x = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(x, vtop)));
+        _mm512_mask_storeu_ps(score + jj, m, x);
+        sum = _mm512_add_ps(sum, x);
+    }
+    *total = *total * rescale + _mm512_reduce_add_ps(sum);
+    *best = top;
+    return rescale;
+}
+
+/* acc0 (and acc1 where two) += the n V rows at v + at[j], weighted by p0[j] (p1[j]) */
+#define DEFINE_WEIGH(T)                                                                      \
+    static inline __attribute__((always_inline)) void weigh_##T(                             \
+        const T *v, const int64_t *at, int64_t n, const float *p0, const float *p1,          \
+        __m512 *acc0, __m512 *acc1, const int nd, const int two) {                           \
+        __m512 a0[MAX_DIM / 16], a1[MAX_DIM / 16];                                           \
+        for (int c = 0; c < nd; c++) {                                                       \
+            a0[c] = acc0[c];                                                                 \
+            if (two) a1[c] = acc1[c];                                                        \
+        }                                                                                    \
+        for (int64_t jj = 0; jj < n; jj++) {                                                 \
+            const T *vp = v + at[jj];                                                        \
+            __m512 x[MAX_DIM / 16];                                                          \
+            if (nd % 2 == 0) /* load32_T's order, restored at the end */                     \
+                for (int c = 0; c < nd; c += 2) load32_##T(vp + 16 * c, &x[c], &x[c + 1]);   \
+            else                                                                             \
+                for (int c = 0; c < nd; c++) x[c] = load16_##T(vp + 16 * c);                 \
+            const __m512 w0 = _mm512_set1_ps(p0[jj]);                                        \
+            for (int c = 0; c < nd; c++) a0[c] = _mm512_fmadd_ps(w0, x[c], a0[c]);           \
+            if (two) {                                                                       \
+                const __m512 w1 = _mm512_set1_ps(p1[jj]);                                    \
+                for (int c = 0; c < nd; c++) a1[c] = _mm512_fmadd_ps(w1, x[c], a1[c]);       \
+            }                                                                                \
+        }                                                                                    \
+        for (int c = 0; c < nd; c++) {                                                       \
+            acc0[c] = a0[c];                                                                 \
+            if (two) acc1[c] = a1[c];                                                        \
+        }                                                                                    \
+    }
+
+/* Scores, softmax and weighted sums of nkv KV heads from kh0 (one, or a row's every head where
+ * rows keep every thread busy) a block of keys at a time. A key's K and V rows of all heads lie
+ * side by side in a page, so a row's heads together read each line once, front to back; one
+ * head at a time over all keys left two thirds of every line fetched to a later pass (a Zen 5
+ * EPYC's batch-32 decode over 540-key contexts read 25 GB/s so, against a 75 GB/s stream).
+ * A head's arithmetic is the same whichever way it is called: a row's outputs do not depend
+ * on what else is in the batch. */
+#define DEFINE_HEADS512(T)                                                                   \
+    static inline __attribute__((always_inline)) void heads512_##T(                          \
         const T *query, int64_t q_rs, const T *k_cache, const T *v_cache, int64_t page_s,    \
         int64_t tok_s, int64_t head_s, int64_t page_size, const int64_t *table, int64_t r,   \
-        int64_t kh, int64_t lo, int64_t pos, int64_t group, const int nd, float scale,       \
-        T *out, int64_t out_rs, int64_t dim) {                                               \
-        __m512 q[MAX_GROUP][MAX_DIM / 16], acc[MAX_GROUP][MAX_DIM / 16];                     \
-        float best[MAX_GROUP], total[MAX_GROUP];                                             \
-        float score[MAX_GROUP][BLOCK] __attribute__((aligned(64)));                          \
+        int64_t kh0, int64_t nkv, int64_t lo, int64_t pos, int64_t group, const int nd,      \
+        float scale, T *out, int64_t out_rs, int64_t dim) {                                  \
+        const int64_t nh = nkv * group, row_bytes = nkv * dim * (int64_t)sizeof(T);         \
+        int64_t ahead = AHEAD_BYTES / row_bytes;                                             \
+        ahead = ahead < 4 ? 4 : ahead > 64 ? 64 : ahead;                                     \
+        __m512 q[HEAD_VECTORS], acc[HEAD_VECTORS];                                           \
+        float best[MAX_HEADS], total[MAX_HEADS];                                             \
+        float score[MAX_HEADS][BLOCK] __attribute__((aligned(64)));                          \
+        int64_t at[BLOCK + 16];                                                              \
+        __m512 prod[MAX_HEADS][16]; /* a head's products with 16 keys, before their sums */   \
         const __m512 vscale = _mm512_set1_ps(scale);                                         \
-        for (int64_t g = 0; g < group; g++) {                                                \
-            const T *qp = query + r * q_rs + (kh * group + g) * dim;                         \
+        const T *qr = query + r * q_rs + kh0 * group * dim;                                  \
+        for (int64_t h = 0; h < nh; h++) {                                                   \
             for (int c = 0; c < nd; c++) {                                                   \
-                q[g][c] = _mm512_mul_ps(load16_##T(qp + 16 * c), vscale);                    \
-                acc[g][c] = _mm512_setzero_ps();                                             \
+                q[h * nd + c] = _mm512_mul_ps(load16_##T(qr + h * dim + 16 * c), vscale);    \
+                acc[h * nd + c] = _mm512_setzero_ps();                                       \
             }                                                                                \
-            best[g] = -INFINITY;                                                             \
-            total[g] = 0.0f;                                                                 \
+            best[h] = -INFINITY;                                                             \
+            total[h] = 0.0f;                                                                 \
         }                                                                                    \
-        for (int64_t ja = lo; ja <= pos && ja < lo + AHEAD; ja++)                            \
-            PREFETCH_KEY(T, ja); /* the first keys */                                        \
+        k_cache += kh0 * head_s;                                                             \
+        v_cache += kh0 * head_s;                                                             \
+        for (int64_t ja = lo; ja <= pos && ja < lo + ahead; ja++)                            \
+            PREFETCH_HEADS(T, ja); /* the first keys */                                      \
         for (int64_t j0 = lo; j0 <= pos; j0 += BLOCK) {                                      \
             const int64_t n = (pos - j0 + 1 < BLOCK) ? pos - j0 + 1 : BLOCK;                 \
-            for (int64_t jj = 0; jj < n; jj++) {                                             \
-                const int64_t j = j0 + jj;                                                   \
-                const T *kp = k_cache + key_offset(table, j, page_size, page_s, tok_s) +     \
-                              kh * head_s;                                                   \
-                if (j + AHEAD <= pos) PREFETCH_KEY(T, j + AHEAD);                            \
-                __m512 k[MAX_DIM / 16];                                                      \
-                for (int c = 0; c < nd; c++) k[c] = load16_##T(kp + 16 * c);                 \
-                for (int64_t g = 0; g < group; g++) {                                        \
-                    __m512 s = _mm512_mul_ps(q[g][0], k[0]);                                 \
-                    for (int c = 1; c < nd; c++) s = _mm512_fmadd_ps(q[g][c], k[c], s);      \
-                    score[g][jj] = _mm512_reduce_add_ps(s);                                  \
+            for (int64_t jb = 0; jb < n; jb += 16) {                                         \
+                /* key by key (each key's rows front to back, as fetched), every head's     \
+                 * products kept; then 16 keys' sums a head at once by sum16x16 */           \
+                const int64_t m = n - jb < 16 ? n - jb : 16;                                 \
+                for (int64_t i = 0; i < 16; i++) {                                           \
+                    const int64_t j = j0 + jb + (i < m ? i : 0); /* past the end: unused */  \
+                    const int64_t o = key_offset(table, j, page_size, page_s, tok_s);        \
+                    at[jb + i] = o;                                                          \
+                    if (i < m && j + ahead <= pos) PREFETCH_HEADS(T, j + ahead);             \
+                    for (int64_t kh = 0, h = 0; kh < nkv; kh++) {                            \
+                        const T *kp = k_cache + o + kh * head_s;                             \
+                        __m512 k[MAX_DIM / 16];                                              \
+                        for (int c = 0; c < nd; c++) k[c] = load16_##T(kp + 16 * c);         \
+                        for (int64_t g = 0; g < group; g++, h++) {                           \
+                            __m512 x = _mm512_mul_ps(q[h * nd], k[0]);                       \
+                            for (int c = 1; c < nd; c++)                                     \
+                                x = _mm512_fmadd_ps(q[h * nd + c], k[c], x);                 \
+                            prod[h][i] = x;                                                  \
+                        }                                                                    \
+                    }                                                                        \
                 }                                                                            \
+                for (int64_t h = 0; h < nh; h++)                                             \
+                    _mm512_store_ps(&score[h][jb], sum16x16(prod[h]));                       \
             }                                                                                \
-            for (int64_t g = 0; g < group; g++) {                                            \
-                float top = best[g];                                                         \
-                for (int64_t jj = 0; jj < n; jj++)                                           \
-                    top = score[g][jj] > top ? score[g][jj] : top;                           \
-                const float rescale = expf(best[g] - top); /* 0 on the first block */        \
-                const __m512 vtop = _mm512_set1_ps(top);                                     \
-                __m512 sum = _mm512_setzero_ps();                                            \
-                for (int64_t jj = 0; jj < n; jj += 16) {                                     \
-                    const __mmask16 m = n - jj >= 16 ? 0xffff : (__mmask16)((1u << (n - jj)) - 1); \
-                    __m512 x = _mm512_maskz_loadu_ps(m, &score[g][jj]);                      \
-                    x = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(x, vtop)));               \
-                    _mm512_mask_storeu_ps(&score[g][jj], m, x);                              \
-                    sum = _mm512_add_ps(sum, x);                                             \
-                }                                                                            \
-                total[g] = total[g] * rescale + _mm512_reduce_add_ps(sum);                   \
-                best[g] = top;                                                               \
-                if (rescale != 1.0f) {                                                       \
-                    const __m512 vr = _mm512_set1_ps(rescale);                               \
-                    for (int c = 0; c < nd; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], vr);   \
-                }                                                                            \
+            for (int64_t h = 0; h < nh; h++) { /* each head's softmax step */                \
+                const float rescale = softmax_block16(score[h], n, &best[h], &total[h]);     \
+                const __m512 vr = _mm512_set1_ps(rescale);                                   \
+                for (int c = 0; c < nd; c++) acc[h * nd + c] = _mm512_mul_ps(acc[h * nd + c], vr); \
             }                                                                                \
-            for (int64_t jj = 0; jj < n; jj++) {                                             \
-                const int64_t j = j0 + jj;                                                   \
-                const T *vp = v_cache + key_offset(table, j, page_size, page_s, tok_s) +     \
-                              kh * head_s;                                                   \
-                __m512 v[MAX_DIM / 16];                                                      \
-                if (nd % 2 == 0) /* load32_T's order, restored at the end */                 \
-                    for (int c = 0; c < nd; c += 2) load32_##T(vp + 16 * c, &v[c], &v[c + 1]); \
-                else                                                                         \
-                    for (int c = 0; c < nd; c++) v[c] = load16_##T(vp + 16 * c);             \
-                for (int64_t g = 0; g < group; g++) {                                        \
-                    const __m512 p = _mm512_set1_ps(score[g][jj]);                           \
-                    for (int c = 0; c < nd; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]); \
+            /* the weighted sums of the block's V rows (fetched with its keys: from cache), \
+             * two heads of a group at once: one load of a V row serves both, and their     \
+             * sums are independent chains of multiply-adds */                              \
+            for (int64_t kh = 0; kh < nkv; kh++)                                             \
+                for (int64_t g = 0; g < group; g += 2) {                                     \
+                    const int64_t h = kh * group + g;                                        \
+                    if (g + 1 < group)                                                       \
+                        weigh_##T(v_cache + kh * head_s, at, n, score[h], score[h + 1],      \
+                                  acc + h * nd, acc + (h + 1) * nd, nd, 1);                  \
+                    else                                                                     \
+                        weigh_##T(v_cache + kh * head_s, at, n, score[h], score[h],          \
+                                  acc + h * nd, acc + h * nd, nd, 0);                        \
                 }                                                                            \
-            }                                                                                \
         }                                                                                    \
-        for (int64_t g = 0; g < group; g++) {                                                \
-            T *op = out + r * out_rs + (kh * group + g) * dim;                               \
-            const __m512 inv = _mm512_set1_ps(total[g] > 0.0f ? 1.0f / total[g] : 0.0f);     \
+        T *o = out + r * out_rs + kh0 * group * dim;                                         \
+        for (int64_t h = 0; h < nh; h++) {                                                   \
+            const __m512 inv = _mm512_set1_ps(total[h] > 0.0f ? 1.0f / total[h] : 0.0f);     \
+            __m512 *a = acc + h * nd;                                                        \
             if (nd % 2 == 0)                                                                 \
-                for (int c = 0; c < nd; c += 2) order32_##T(&acc[g][c], &acc[g][c + 1]);     \
-            for (int c = 0; c < nd; c++) store16_##T(op + 16 * c, _mm512_mul_ps(acc[g][c], inv)); \
+                for (int c = 0; c < nd; c += 2) order32_##T(&a[c], &a[c + 1]);               \
+            for (int c = 0; c < nd; c++) store16_##T(o + h * dim + 16 * c, _mm512_mul_ps(a[c], inv)); \
         }                                                                                    \
     }
 #endif
@@ -376,13 +470,7 @@ static inline float softmax_block8(float *score, int64_t n, float *best, float *
  * in its page, so one pass streams them in order where a pass a head would read a third of
  * each row's lines, three times over. Each head's sums are those of item256 (same order, same
  * bits); only which head goes first changes. */
-#define ROW_VECTORS 256 /* query heads x 8-lane vectors of a head the row loop holds (8 KB) */
-#define ROW_HEADS 32
 #define ROW_AHEAD 8 /* keys whose whole K and V rows are fetched ahead */
-/* key j's K and V rows of every head: prefetch_key from head 0 over all of them */
-#define PREFETCH_ROW(T, j)                                                                   \
-    prefetch_key(k_cache, v_cache, table, (j), page_size, page_s, tok_s, head_s, 0, row_bytes, \
-                 sizeof(T))
 #define DEFINE_ROW256(T)                                                                     \
     static inline __attribute__((always_inline)) void row256_##T(                            \
         const T *query, int64_t q_rs, const T *k_cache, const T *v_cache, int64_t page_s,    \
@@ -390,9 +478,9 @@ static inline float softmax_block8(float *score, int64_t n, float *best, float *
         int64_t kv_heads, int64_t lo, int64_t pos, int64_t group, const int nd, float scale, \
         T *out, int64_t out_rs, int64_t dim) {                                               \
         const int64_t nh = kv_heads * group, row_bytes = kv_heads * dim * (int64_t)sizeof(T); \
-        __m256 q[ROW_VECTORS], acc[ROW_VECTORS];                                             \
-        float best[ROW_HEADS], total[ROW_HEADS];                                             \
-        float score[ROW_HEADS][BLOCK] __attribute__((aligned(32)));                          \
+        __m256 q[HEAD_VECTORS], acc[HEAD_VECTORS];                                             \
+        float best[MAX_HEADS], total[MAX_HEADS];                                             \
+        float score[MAX_HEADS][BLOCK] __attribute__((aligned(32)));                          \
         const __m256 vscale = _mm256_set1_ps(scale);                                         \
         for (int64_t h = 0; h < nh; h++) {                                                   \
             const T *qp = query + r * q_rs + h * dim;                                        \
@@ -404,14 +492,14 @@ static inline float softmax_block8(float *score, int64_t n, float *best, float *
             total[h] = 0.0f;                                                                 \
         }                                                                                    \
         for (int64_t ja = lo; ja <= pos && ja < lo + ROW_AHEAD; ja++)                        \
-            PREFETCH_ROW(T, ja);                                                             \
+            PREFETCH_HEADS(T, ja);                                                             \
         for (int64_t j0 = lo; j0 <= pos; j0 += BLOCK) {                                      \
             const int64_t n = (pos - j0 + 1 < BLOCK) ? pos - j0 + 1 : BLOCK;                 \
             for (int64_t jj = 0; jj < n; jj++) {                                             \
                 const int64_t j = j0 + jj;                                                   \
                 const T *kr = k_cache + key_offset(table, j, page_size, page_s, tok_s);      \
                 if (j + ROW_AHEAD <= pos)                                                    \
-                    PREFETCH_ROW(T, j + ROW_AHEAD);                                          \
+                    PREFETCH_HEADS(T, j + ROW_AHEAD);                                        \
                 for (int64_t kh = 0; kh < kv_heads; kh++) {                                  \
                     const T *kp = kr + kh * head_s;                                          \
                     __m256 k[MAX_DIM / 8];                                                   \
@@ -460,27 +548,40 @@ static inline float softmax_block8(float *score, int64_t n, float *best, float *
 #endif
 
 #ifdef __AVX512F__
-DEFINE_ITEM512(f32)
-DEFINE_ITEM512(bf16)
-/* the common head sizes as constants, so the register arrays unroll */
-#define VECTOR_ITEM(T)                                                                       \
+DEFINE_WEIGH(f32)
+DEFINE_WEIGH(bf16)
+DEFINE_HEADS512(f32)
+DEFINE_HEADS512(bf16)
+/* an item's heads a whole row at once where they fit heads512's arrays, else one at a time;
+ * the common head sizes as constants, so the register arrays unroll */
+#define ROW_ITEM(T)                                                                          \
     if (dim % 16 == 0) {                                                                     \
-        switch (dim) {                                                                       \
-        case 64:                                                                             \
-            item512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s, page_size,     \
-                        table, r, kh, lo, pos, group, 4, scale, out, out_rs, 64);            \
-            break;                                                                           \
-        case 128:                                                                            \
-            item512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s, page_size,     \
-                        table, r, kh, lo, pos, group, 8, scale, out, out_rs, 128);           \
-            break;                                                                           \
-        default:                                                                             \
-            item512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s, page_size,     \
-                        table, r, kh, lo, pos, group, (int)(dim / 16), scale, out, out_rs,   \
-                        dim);                                                                \
-        }                                                                                    \
+        const int64_t r = item * per_item / kv_heads, kh0 = item * per_item % kv_heads;      \
+        const int64_t seq = row_seq[r], pos = row_pos[r];                                    \
+        const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;      \
+        const int64_t *table = tables + seq * tab_s;                                         \
+        const int64_t span =                                                                 \
+            per_item * group <= MAX_HEADS && per_item * group * (dim / 16) <= HEAD_VECTORS   \
+                ? per_item : 1;                                                              \
+        for (int64_t kh = kh0; kh < kh0 + per_item; kh += span) switch (dim) {               \
+            case 64:                                                                         \
+                heads512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s,          \
+                             page_size, table, r, kh, span, lo, pos, group, 4, scale, out,   \
+                             out_rs, 64);                                                    \
+                break;                                                                       \
+            case 128:                                                                        \
+                heads512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s,          \
+                             page_size, table, r, kh, span, lo, pos, group, 8, scale, out,   \
+                             out_rs, 128);                                                   \
+                break;                                                                       \
+            default:                                                                         \
+                heads512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s,          \
+                             page_size, table, r, kh, span, lo, pos, group, (int)(dim / 16), \
+                             scale, out, out_rs, dim);                                       \
+            }                                                                                \
         continue;                                                                            \
     }
+#define VECTOR_ITEM(T)
 #elif defined(__AVX2__) && defined(__FMA__)
 DEFINE_ITEM256(f32)
 DEFINE_ITEM256(bf16)
@@ -488,7 +589,7 @@ DEFINE_ROW256(f32)
 DEFINE_ROW256(bf16)
 /* a whole row (all its KV heads) in one pass where its heads fit row256's arrays */
 #define ROW_ITEM(T)                                                                          \
-    if (per_item > 1 && heads <= ROW_HEADS && dim % 8 == 0 && heads * (dim / 8) <= ROW_VECTORS) { \
+    if (per_item > 1 && heads <= MAX_HEADS && dim % 8 == 0 && heads * (dim / 8) <= HEAD_VECTORS) { \
         const int64_t r = item, seq = row_seq[r], pos = row_pos[r];                          \
         const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;      \
         const int64_t *table = tables + seq * tab_s;                                         \
