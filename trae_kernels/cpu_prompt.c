@@ -142,27 +142,26 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
     const int64_t pos0 = ctx - rows + first, top = pos0 + n - 1;
     const int64_t *table = a->tables + table_row * a->tab_s;
     __m512 qt0[MAX_DIM], qt1[MAX_DIM], o0[MAX_DIM], o1[MAX_DIM], s0[KEYS], s1[KEYS];
-    int32_t lane[QUERIES], at[QUERIES];
-    for (int i = 0; i < QUERIES; i++) {
+    int32_t lane[QUERIES];
+    for (int i = 0; i < QUERIES; i++)
         lane[i] = (int32_t)(i < n ? i : n - 1); /* lanes past the chunk repeat its last query */
-        at[i] = (int32_t)(lane[i] * a->q_rs);
-    }
-    const __m512i index0 = _mm512_loadu_si512(at), index1 = _mm512_loadu_si512(at + LANES);
     const int64_t q_at = (first_row + first) * a->q_rs + h * dim;
     const __m512 scale = _mm512_set1_ps(a->scale);
-    for (int d = 0; d < dim; d++) {
-        if (bf) { /* 32-bit gathers at 2-byte steps would read past the tensor's last value */
-            const uint16_t *q = (const uint16_t *)a->query + q_at + d;
-            uint32_t w[QUERIES] __attribute__((aligned(64)));
-            for (int i = 0; i < QUERIES; i++) w[i] = (uint32_t)q[at[i]] << 16;
-            qt0[d] = _mm512_mul_ps(_mm512_load_ps((const float *)w), scale);
-            qt1[d] = _mm512_mul_ps(_mm512_load_ps((const float *)w + LANES), scale);
-        } else {
-            const float *q = (const float *)a->query + q_at + d;
-            qt0[d] = _mm512_mul_ps(_mm512_i32gather_ps(index0, q, 4), scale);
-            qt1[d] = _mm512_mul_ps(_mm512_i32gather_ps(index1, q, 4), scale);
+    for (int half = 0; half < 2; half++) { /* Q^T: 16 queries' rows, 16 values at a time */
+        __m512 *qt = half ? qt1 : qt0;
+        for (int d0 = 0; d0 < dim; d0 += 16) {
+            __m512 x[16];
+            for (int i = 0; i < LANES; i++) {
+                const int64_t at = q_at + lane[half * LANES + i] * a->q_rs + d0;
+                x[i] = bf ? load16_bf16((const bf16 *)a->query + at)
+                          : load16_f32((const float *)a->query + at);
+            }
+            transpose16(x);
+            for (int k = 0; k < 16; k++) {
+                qt[d0 + k] = _mm512_mul_ps(x[k], scale);
+                o0[d0 + k] = o1[d0 + k] = _mm512_setzero_ps();
+            }
         }
-        o0[d] = o1[d] = _mm512_setzero_ps();
     }
     const __m512i base = _mm512_set1_epi32((int32_t)pos0);
     const __m512i pos_0 = _mm512_add_epi32(base, _mm512_loadu_si512(lane));
@@ -212,22 +211,20 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
             }
         }
     }
-    float lanes_of[MAX_DIM][QUERIES] __attribute__((aligned(64)));
-    const __m512 inv0 = _mm512_div_ps(_mm512_set1_ps(1.0f), total0);
-    const __m512 inv1 = _mm512_div_ps(_mm512_set1_ps(1.0f), total1);
-    for (int d = 0; d < dim; d++) {
-        _mm512_store_ps(lanes_of[d], _mm512_mul_ps(o0[d], inv0));
-        _mm512_store_ps(lanes_of[d] + LANES, _mm512_mul_ps(o1[d], inv1));
-    }
-    const __m512i column = strided16(QUERIES); /* a query's value of 16 dims */
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t row = (first_row + first + i) * a->out_rs + h * dim;
-        for (int d = 0; d < dim; d += 16) {
-            const __m512 x = _mm512_i32gather_ps(column, &lanes_of[d][i], 4);
-            if (bf)
-                store16_bf16((bf16 *)a->out + row + d, x); /* rounded once, as torch rounds */
-            else
-                _mm512_storeu_ps((float *)a->out + row + d, x);
+    for (int half = 0; half < 2; half++) { /* O^T back to rows: 16 queries' values at a time */
+        const __m512 *o = half ? o1 : o0;
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), half ? total1 : total0);
+        for (int d0 = 0; d0 < dim; d0 += 16) {
+            __m512 x[16];
+            for (int k = 0; k < 16; k++) x[k] = _mm512_mul_ps(o[d0 + k], inv);
+            transpose16(x);
+            for (int64_t i = 0; i < LANES && half * LANES + i < n; i++) {
+                const int64_t row = (first_row + first + half * LANES + i) * a->out_rs + h * dim;
+                if (bf)
+                    store16_bf16((bf16 *)a->out + row + d0, x[i]); /* rounded once, as torch */
+                else
+                    _mm512_storeu_ps((float *)a->out + row + d0, x[i]);
+            }
         }
     }
 }
@@ -362,19 +359,23 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
     const int64_t pos0 = ctx - rows + first, top = pos0 + n - 1;
     const int64_t *table = a->tables + table_row * a->tab_s;
     __m256 qt0[MAX_DIM], qt1[MAX_DIM], o0[MAX_DIM], o1[MAX_DIM], s0[KEYS], s1[KEYS];
-    int32_t lane[QUERIES], at[QUERIES];
-    for (int i = 0; i < QUERIES; i++) {
+    int32_t lane[QUERIES];
+    for (int i = 0; i < QUERIES; i++)
         lane[i] = (int32_t)(i < n ? i : n - 1); /* lanes past the chunk repeat its last query */
-        at[i] = (int32_t)(lane[i] * a->q_rs);
-    }
-    const __m256i index0 = _mm256_loadu_si256((const __m256i *)at);
-    const __m256i index1 = _mm256_loadu_si256((const __m256i *)(at + LANES));
     const float *q = (const float *)a->query + (first_row + first) * a->q_rs + h * dim;
     const __m256 scale = _mm256_set1_ps(a->scale);
-    for (int d = 0; d < dim; d++) {
-        qt0[d] = _mm256_mul_ps(_mm256_i32gather_ps(q + d, index0, 4), scale);
-        qt1[d] = _mm256_mul_ps(_mm256_i32gather_ps(q + d, index1, 4), scale);
-        o0[d] = o1[d] = _mm256_setzero_ps();
+    for (int half = 0; half < 2; half++) { /* Q^T: 8 queries' rows, 8 values at a time */
+        __m256 *qt = half ? qt1 : qt0;
+        for (int d0 = 0; d0 < dim; d0 += 8) {
+            __m256 x[8];
+            for (int i = 0; i < LANES; i++)
+                x[i] = _mm256_loadu_ps(q + lane[half * LANES + i] * a->q_rs + d0);
+            transpose8(x);
+            for (int k = 0; k < 8; k++) {
+                qt[d0 + k] = _mm256_mul_ps(x[k], scale);
+                o0[d0 + k] = o1[d0 + k] = _mm256_setzero_ps();
+            }
+        }
     }
     const __m256i base = _mm256_set1_epi32((int32_t)pos0);
     const __m256i pos_0 = _mm256_add_epi32(base, _mm256_loadu_si256((const __m256i *)lane));
@@ -406,19 +407,18 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
         for (int d0 = 6 * sixes; d0 < dim; d0 += 4)
             weigh(v, s0, s1, nk, first_too, d0, 4, grew0, alpha0, grew1, alpha1, o0, o1);
     }
-    float lanes_of[MAX_DIM][QUERIES] __attribute__((aligned(32)));
-    const __m256 inv0 = _mm256_div_ps(_mm256_set1_ps(1.0f), total0);
-    const __m256 inv1 = _mm256_div_ps(_mm256_set1_ps(1.0f), total1);
-    for (int d = 0; d < dim; d++) {
-        _mm256_store_ps(lanes_of[d], _mm256_mul_ps(o0[d], inv0));
-        _mm256_store_ps(lanes_of[d] + LANES, _mm256_mul_ps(o1[d], inv1));
-    }
-    const __m256i column = _mm256_mullo_epi32(_mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm256_set1_epi32(QUERIES)); /* 8 dims of a query */
-    for (int64_t i = 0; i < n; i++) {
-        float *row = (float *)a->out + (first_row + first + i) * a->out_rs + h * dim;
-        for (int d = 0; d < dim; d += 8)
-            _mm256_storeu_ps(row + d, _mm256_i32gather_ps(&lanes_of[d][i], column, 4));
+    for (int half = 0; half < 2; half++) { /* O^T back to rows: 8 queries' values at a time */
+        const __m256 *o = half ? o1 : o0;
+        const __m256 inv = _mm256_div_ps(_mm256_set1_ps(1.0f), half ? total1 : total0);
+        for (int d0 = 0; d0 < dim; d0 += 8) {
+            __m256 x[8];
+            for (int k = 0; k < 8; k++) x[k] = _mm256_mul_ps(o[d0 + k], inv);
+            transpose8(x);
+            for (int64_t i = 0; i < LANES && half * LANES + i < n; i++) {
+                const int64_t row = (first_row + first + half * LANES + i) * a->out_rs + h * dim;
+                _mm256_storeu_ps((float *)a->out + row + d0, x[i]);
+            }
+        }
     }
 }
 

@@ -33,6 +33,25 @@ static inline void store8_bf16(bf16 *p, __m256 x) {
     _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(pairs));
 }
 
+/* x[i] lane k <- x[k] lane i: an 8 x 8 block of floats transposed in registers (24 shuffles,
+ * in place of 8 gathers of a column) */
+static inline __attribute__((always_inline)) void transpose8(__m256 x[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) { /* pairs of rows interleaved by 32-bit lanes */
+        t[i] = _mm256_unpacklo_ps(x[i], x[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) /* four rows' lanes j and j + 4 */
+        for (int j = 0; j < 2; j++) {
+            u[i + 2 * j] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], 0x44);
+            u[i + 2 * j + 1] = _mm256_shuffle_ps(t[i + j], t[i + j + 2], 0xee);
+        }
+    for (int i = 0; i < 4; i++) { /* the two halves: rows 0-3's and rows 4-7's */
+        x[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        x[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
 static inline float hsum8(__m256 x) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
