@@ -134,10 +134,17 @@ class PagedAttend:
     kv: object  # the runner's KV pages: .k and .v, one tensor (or QuantKV) per layer
     backend: AttentionBackend
 
-    def __call__(self, layer: int, q, k, v, window: int | None, scale: float) -> torch.Tensor:
+    def __call__(self, layer: int, q, k, v, window: int | None, scale: float, rows=None):
+        """Attention [T, heads, dim]; with ``rows`` (flat row indices) that of those rows only,
+        every row's K/V stored all the same."""
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
         self.backend.store_kv(k, v, k_cache, v_cache, self.batch.slot_mapping)
-        return self.backend.paged_attention(q, k, v, k_cache, v_cache, self.batch, scale, window)
+        if rows is not None and self.backend.paged_attention is attention.paged_attention:
+            out = attention.attend_rows(q, k_cache, v_cache, self.batch, rows, scale, window)
+            if out is not None:
+                return out
+        out = self.backend.paged_attention(q, k, v, k_cache, v_cache, self.batch, scale, window)
+        return out if rows is None else out.index_select(0, rows)
 
     def native_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """What the native decode kernel reads for every row of this step, where the
@@ -247,12 +254,24 @@ class FlatForward(nn.Module):
         native = None if lora_active else self.native.run(self, attend, x, residual, cos, sin)
         if native is not None:
             hidden = native
+        # Past its K/V, the last layer reaches the logits only through the rows that sample:
+        # a prompt chunk's other rows stop there (one row of a 512-token chunk goes on). LoRA
+        # rows keep the whole step: their adapters are indexed by row.
+        last = len(self._layers) - 1
+        whole = sample_rows is None or sample_rows.numel() == input_ids.shape[0]
+        if whole or padded or lora_active or not isinstance(attend, PagedAttend):
+            last = -1
         # the fused projections are read from the module lists: packing replaces them there
         for i, layer in enumerate(self._layers if native is None else ()):
             block, qkv, gate_up = layer.block, self.qkv[i], self.gate_up[i]
             if i:
                 x = add_rms_norm(hidden, residual, block.input_layernorm)
-            hidden = self._attention(i, layer, qkv(x), cos, sin, attend, lora_active, x)
+            if i == last:
+                residual = residual.index_select(0, sample_rows)
+                hidden = self._attention(i, layer, qkv(x), cos, sin, attend, False, x, sample_rows)
+                sample_rows = None  # the rows left are those that sample
+            else:
+                hidden = self._attention(i, layer, qkv(x), cos, sin, attend, lora_active, x)
             x = add_rms_norm(hidden, residual, block.post_attention_layernorm)
             hidden = self._mlp(layer, gate_up(x), lora_active, x)
         if sample_rows is None:
@@ -262,22 +281,34 @@ class FlatForward(nn.Module):
         logits = model.lm_head(rms_norm(rows, base.norm))
         return logits[:1] if padded else logits
 
-    def _attention(self, i, layer: _Layer, qkv, cos, sin, attend: Attend, lora_active, x):
+    def _attention(
+        self, i, layer: _Layer, qkv, cos, sin, attend: Attend, lora_active, x, rows=None
+    ):
+        """The attention block's output: every row's, or only ``rows``' (every row's K/V
+        stored either way)."""
         attn = layer.block.self_attn
         if lora_active:
             _slice_updates(attn, ("q_proj", "k_proj", "v_proj"), x, qkv)
+        q, k, v = self._qkv_heads(layer, qkv, cos, sin)
+        if self.padded:  # the copy row is no token: it neither stores K/V nor attends
+            out = attend(i, q[:1], k[:1], v[:1], layer.window, self.scale)
+            return attn.o_proj(out.reshape(1, layer.q_size).expand(2, -1).contiguous())
+        if rows is not None:
+            out = attend(i, q, k, v, layer.window, self.scale, rows)
+            return attn.o_proj(out.reshape(rows.numel(), layer.q_size))
+        out = attend(i, q, k, v, layer.window, self.scale)
+        return attn.o_proj(out.reshape(q.shape[0], layer.q_size))
+
+    def _qkv_heads(self, layer: _Layer, qkv, cos, sin):
+        """q, k, v [T, heads or kv_heads, dim] of the fused projection's output, q and k
+        normed (Qwen3) and rotated."""
         t, d, qk_size = qkv.shape[0], self.head_dim, layer.q_size + layer.kv_size
         v = qkv[:, qk_size:].view(t, self.kv_heads, d)
         qk = qkv[:, :qk_size].view(t, self.heads + self.kv_heads, d)
         if self.kind == "qwen3":  # RMSNorm over each head, before rotary: q's and k's at once
-            qk = self._head_norms(layer, attn, qk)
+            qk = self._head_norms(layer, layer.block.self_attn, qk)
         qk = _rotate(qk, cos, sin)  # q and k side by side in the fused output: one rotation
-        q, k = qk[:, : self.heads], qk[:, self.heads :]
-        if self.padded:  # the copy row is no token: it neither stores K/V nor attends
-            out = attend(i, q[:1], k[:1], v[:1], layer.window, self.scale)
-            return attn.o_proj(out.reshape(1, layer.q_size).expand(2, -1).contiguous())
-        out = attend(i, q, k, v, layer.window, self.scale)
-        return attn.o_proj(out.reshape(t, layer.q_size))
+        return qk[:, : self.heads], qk[:, self.heads :], v
 
     def _head_norms(self, layer: _Layer, attn: nn.Module, qk: torch.Tensor) -> torch.Tensor:
         """Qwen3's q_norm over the query heads and k_norm over the key heads of ``qk``

@@ -75,6 +75,29 @@ def test_supported_families_take_our_forward_and_the_option_turns_it_off(llm_dir
     assert held["auto"].bytes <= 1.02 * held["transformers"].bytes
 
 
+@pytest.mark.parametrize("family", sorted(LLM_FAMILIES))
+def test_the_last_layer_runs_only_the_rows_that_sample(llm_dirs, family):
+    """Past its K/V the last layer reaches the logits only through the rows that sample: a
+    long prompt's chunks stop there (the first chunk samples no row, the last one row), yet
+    every row's K/V is stored, so the greedy tokens are transformers'."""
+    path = llm_dirs[family]
+    prompt = torch.randint(5, 100, (100,), generator=torch.Generator().manual_seed(3)).tolist()
+    rows: dict[str, list[int]] = {"first": [], "last": []}
+    config = EngineConfig(pool_bytes=1 << 22, max_num_batched_tokens=64, fast_linear=False)
+    with LLMEngine({"m": path}, config) as eng:
+        layers = eng.llms["m"].model.model.layers
+        for name, layer in (("first", layers[0]), ("last", layers[-1])):
+            seen = rows[name]
+            layer.mlp.down_proj.register_forward_pre_hook(lambda m, a, s=seen: s.append(len(a[0])))
+        outs = eng.generate([prompt], SamplingParams(max_tokens=6))
+    assert rows["first"][:2] == [64, 36] and rows["last"][:2] == [0, 1]
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    want = reference.generate(
+        torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None
+    )[0, 100:]
+    assert outs[0].token_ids == want.tolist()
+
+
 def test_an_unsupported_model_runs_through_transformers_and_says_why(tmp_path):
     path = build_llm(tmp_path / "gelu", "llama", hidden_act="gelu_pytorch_tanh")
     with LLMEngine({"m": path}, EngineConfig(pool_bytes=1 << 22)) as eng:

@@ -139,3 +139,13 @@ def test_long_contexts_are_not_padded_together(monkeypatch):
     assert batch.prefill_plan(None) is not None
     want = naive_attention(q, keys, values, batch.query_starts, 8**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_at_picks_all_rows_entries():
+    """The rows a last layer keeps (rows_at) attend as all_rows says those rows do."""
+    *_, batch, _, _ = make_case([1, 5, 3, 1], [7, 5, 40, 9], 4, 2)
+    seqs, positions = batch.all_rows()
+    pick = torch.tensor([0, 2, 5, 6, 8, 9])
+    got_seqs, got_positions = batch.rows_at(pick)
+    assert torch.equal(got_seqs, seqs[pick]) and torch.equal(got_positions, positions[pick])
+    assert batch.rows_at(pick[:0])[0].numel() == 0

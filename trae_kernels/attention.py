@@ -74,6 +74,14 @@ class PagedBatch:
             self._masks[key] = (torch.arange(nd, dtype=torch.int64), lens - 1)
         return self._masks[key]
 
+    def rows_at(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``all_rows`` for the given rows of the step only (flat row indices, ascending)."""
+        starts = torch.tensor(self.query_starts, dtype=torch.int64)
+        rows = rows.to(torch.int64)
+        seqs = torch.searchsorted(starts, rows, right=True) - 1
+        ends = torch.tensor(self.context_lens, dtype=torch.int64)[seqs]
+        return seqs, ends - (starts[seqs + 1] - rows)
+
     def all_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``decode_rows`` for every row of the step, prompt chunks' included: a chunk's
         token at position p attends positions up to p (its K/V are stored before attention
@@ -244,6 +252,27 @@ def native_rows(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
     if batch.longest_chunk() <= NATIVE_CHUNK_ROWS:
         return batch.all_rows()
     return None
+
+
+def attend_rows(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: PagedBatch,
+    rows: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:
+    """``paged_attention``'s output for ``rows`` of the step only (query [T, heads, dim], the
+    step's K/V already stored): each row a decode row at its position, through the native
+    kernel; None where that kernel does not take these pages."""
+    if not cpu_native.supports(query, k_cache, v_cache):
+        return None
+    row_seq, row_pos = batch.rows_at(rows)
+    return cpu_native.decode_attention(
+        query.index_select(0, rows), k_cache, v_cache, batch.block_tables, row_seq, row_pos,
+        scale, sliding_window,
+    )  # fmt: skip
 
 
 def paged_attention(
