@@ -254,13 +254,8 @@ class FlatForward(nn.Module):
         native = None if lora_active else self.native.run(self, attend, x, residual, cos, sin)
         if native is not None:
             hidden = native
-        # Past its K/V, the last layer reaches the logits only through the rows that sample:
-        # a prompt chunk's other rows stop there (one row of a 512-token chunk goes on). LoRA
-        # rows keep the whole step: their adapters are indexed by row.
-        last = len(self._layers) - 1
-        whole = sample_rows is None or sample_rows.numel() == input_ids.shape[0]
-        if whole or padded or lora_active or not isinstance(attend, PagedAttend):
-            last = -1
+        keep = _keeps_sampling_rows(attend, sample_rows, input_ids.shape[0])
+        last = len(self._layers) - 1 if keep and not (padded or lora_active) else -1
         # the fused projections are read from the module lists: packing replaces them there
         for i, layer in enumerate(self._layers if native is None else ()):
             block, qkv, gate_up = layer.block, self.qkv[i], self.gate_up[i]
@@ -348,6 +343,19 @@ class FlatForward(nn.Module):
         if both is None:
             both = F.silu(gate_up[:, :n]).mul_(gate_up[:, n:])
         return mlp.down_proj(both)
+
+
+def _keeps_sampling_rows(attend: Attend, sample_rows: torch.Tensor | None, rows: int) -> bool:
+    """Whether the step's last layer runs only the rows that sample, past its K/V: they are
+    all that reaches the logits (one row of a 512-token chunk that ends its prompt, none of
+    one that does not). Kept rows attend as decode rows, so a step with more of them than
+    sequences (a prompt's logprobs: each of its rows) keeps the prompt kernel for the whole
+    layer; LoRA steps keep every row (adapters are indexed by row), and so does a step whose
+    every row samples."""
+    if sample_rows is None or not isinstance(attend, PagedAttend):
+        return False
+    n = sample_rows.numel()
+    return n < rows and n <= attend.batch.num_seqs
 
 
 def _side_by_side(q_w: torch.Tensor, k_w: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:

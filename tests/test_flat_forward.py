@@ -79,7 +79,8 @@ def test_supported_families_take_our_forward_and_the_option_turns_it_off(llm_dir
 def test_the_last_layer_runs_only_the_rows_that_sample(llm_dirs, family):
     """Past its K/V the last layer reaches the logits only through the rows that sample: a
     long prompt's chunks stop there (the first chunk samples no row, the last one row), yet
-    every row's K/V is stored, so the greedy tokens are transformers'."""
+    every row's K/V is stored, so the greedy tokens are transformers'. A prompt scored for
+    its logprobs keeps every row."""
     path = llm_dirs[family]
     prompt = torch.randint(5, 100, (100,), generator=torch.Generator().manual_seed(3)).tolist()
     rows: dict[str, list[int]] = {"first": [], "last": []}
@@ -90,7 +91,11 @@ def test_the_last_layer_runs_only_the_rows_that_sample(llm_dirs, family):
             seen = rows[name]
             layer.mlp.down_proj.register_forward_pre_hook(lambda m, a, s=seen: s.append(len(a[0])))
         outs = eng.generate([prompt], SamplingParams(max_tokens=6))
-    assert rows["first"][:2] == [64, 36] and rows["last"][:2] == [0, 1]
+        assert rows["first"][:2] == [64, 36] and rows["last"][:2] == [0, 1]
+        # a prompt's logprobs take every row's logits: the last layer keeps them all
+        rows["last"].clear()
+        eng.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))
+        assert rows["last"][:2] == [64, 36]
     reference = AutoModelForCausalLM.from_pretrained(path).eval()
     want = reference.generate(
         torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=None
