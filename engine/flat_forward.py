@@ -254,8 +254,8 @@ class FlatForward(nn.Module):
         native = None if lora_active else self.native.run(self, attend, x, residual, cos, sin)
         if native is not None:
             hidden = native
-        keep = _keeps_sampling_rows(attend, sample_rows, input_ids.shape[0])
-        last = len(self._layers) - 1 if keep and not (padded or lora_active) else -1
+        keep = self._keeps_sampling_rows(attend, sample_rows, input_ids.shape[0], lora_active)
+        last = len(self._layers) - 1 if keep else -1
         # the fused projections are read from the module lists: packing replaces them there
         for i, layer in enumerate(self._layers if native is None else ()):
             block, qkv, gate_up = layer.block, self.qkv[i], self.gate_up[i]
@@ -275,6 +275,18 @@ class FlatForward(nn.Module):
             rows = residual.index_select(0, sample_rows).add_(hidden.index_select(0, sample_rows))
         logits = model.lm_head(rms_norm(rows, base.norm))
         return logits[:1] if padded else logits
+
+    def _keeps_sampling_rows(self, attend: Attend, sample_rows, rows: int, lora_active) -> bool:
+        """Whether the step's last layer runs only the rows that sample, past its K/V: they
+        are all that reaches the logits (one row of a 512-token chunk that ends its prompt,
+        none of one that does not). Kept rows attend as decode rows, so a step with more of
+        them than sequences (a prompt's logprobs: each of its rows) keeps the prompt kernel
+        for the whole layer; LoRA steps keep every row (adapters are indexed by row), and so
+        do a step whose every row samples and the padded batch-1 step."""
+        if sample_rows is None or lora_active or self.padded:
+            return False
+        n = sample_rows.numel()
+        return isinstance(attend, PagedAttend) and n < rows and n <= attend.batch.num_seqs
 
     def _attention(
         self, i, layer: _Layer, qkv, cos, sin, attend: Attend, lora_active, x, rows=None
@@ -343,19 +355,6 @@ class FlatForward(nn.Module):
         if both is None:
             both = F.silu(gate_up[:, :n]).mul_(gate_up[:, n:])
         return mlp.down_proj(both)
-
-
-def _keeps_sampling_rows(attend: Attend, sample_rows: torch.Tensor | None, rows: int) -> bool:
-    """Whether the step's last layer runs only the rows that sample, past its K/V: they are
-    all that reaches the logits (one row of a 512-token chunk that ends its prompt, none of
-    one that does not). Kept rows attend as decode rows, so a step with more of them than
-    sequences (a prompt's logprobs: each of its rows) keeps the prompt kernel for the whole
-    layer; LoRA steps keep every row (adapters are indexed by row), and so does a step whose
-    every row samples."""
-    if sample_rows is None or not isinstance(attend, PagedAttend):
-        return False
-    n = sample_rows.numel()
-    return n < rows and n <= attend.batch.num_seqs
 
 
 def _side_by_side(q_w: torch.Tensor, k_w: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:

@@ -75,7 +75,7 @@ class PagedBatch:
         return self._masks[key]
 
     def rows_at(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``all_rows`` for the given rows of the step only (flat row indices, ascending)."""
+        """``all_rows`` for the given rows of the step only (flat row indices)."""
         starts = torch.tensor(self.query_starts, dtype=torch.int64)
         rows = rows.to(torch.int64)
         seqs = torch.searchsorted(starts, rows, right=True) - 1
