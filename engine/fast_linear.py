@@ -171,7 +171,7 @@ def _zentorch_by_default() -> frozenset[torch.dtype]:
       else float32 (zentorch 0.72-0.78x oneDNN's time at 1 row on Zen 3)."""
     if _avx2_panels():
         return frozenset()
-    if "avx512f" in detect("cpu").cpu_flags:
+    if detect("cpu").avx512:
         return frozenset({torch.bfloat16})
     return frozenset({torch.float32})
 
@@ -182,7 +182,7 @@ def _avx2_panels() -> bool:
     generation a SmolLM2 step's 121 float32 linears took 21.3 against zentorch's ~26 ms at 1
     row and 80 against 82 at 32, oneDNN's prefill rows were ~8% faster than zentorch's (2,048
     rows) and the panels' 0.92x oneDNN's time there, so oneDNN packs."""
-    return not torch.cpu._is_avx512_supported() and onednn_calls.own_rows_limit(torch.float32) > 0
+    return not detect("cpu").avx512 and onednn_calls.own_rows_limit(torch.float32) > 0
 
 
 class PackedLinear(nn.Module):

@@ -263,7 +263,9 @@ class FlatForward(nn.Module):
                 x = add_rms_norm(hidden, residual, block.input_layernorm)
             if i == last:
                 residual = residual.index_select(0, sample_rows)
-                hidden = self._attention(i, layer, qkv(x), cos, sin, attend, False, x, sample_rows)
+                hidden = self._attention(
+                    i, layer, qkv(x), cos, sin, attend, lora_active, x, sample_rows
+                )
                 sample_rows = None  # the rows left are those that sample
             else:
                 hidden = self._attention(i, layer, qkv(x), cos, sin, attend, lora_active, x)

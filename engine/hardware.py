@@ -60,6 +60,12 @@ class Hardware:
         return self.bf16_matrix_units or amd_bf16
 
     @property
+    def avx512(self) -> bool:
+        """AVX-512 vectors (AVX512F): which build of our kernels and which linear library
+        ``auto`` picks follow from it."""
+        return self.device == "cpu" and "avx512f" in self.cpu_flags
+
+    @property
     def bf16_panels(self) -> bool:
         """bf16 weights on our own AVX2 panels (trae_kernels/onednn_calls.c) where the CPU has
         AVX2 and FMA but no AVX-512 and no bf16 matmuls (an EPYC of the Zen 3 generation):
@@ -69,7 +75,7 @@ class Hardware:
         its time (docs/performance.md)."""
         return (
             self.device == "cpu" and not self.bf16_math
-            and {"avx2", "fma"} <= self.cpu_flags and "avx512f" not in self.cpu_flags
+            and {"avx2", "fma"} <= self.cpu_flags and not self.avx512
         )  # fmt: skip
 
     def slow_dtype(self, dtype: torch.dtype) -> str | None:
