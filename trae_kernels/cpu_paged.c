@@ -297,7 +297,7 @@ static inline float softmax_block16(float *score, int64_t n, float *best, float 
         __m512 q[HEAD_VECTORS], acc[HEAD_VECTORS];                                           \
         float best[MAX_HEADS], total[MAX_HEADS];                                             \
         float score[MAX_HEADS][BLOCK] __attribute__((aligned(64)));                          \
-        int64_t at[BLOCK + 16];                                                              \
+        int64_t at[BLOCK]; /* where each key of the block lies, in K and V alike */             \
         __m512 prod[MAX_HEADS][16]; /* a head's products with 16 keys, before their sums */   \
         const __m512 vscale = _mm512_set1_ps(scale);                                         \
         const T *qr = query + r * q_rs + kh0 * group * dim;                                  \
