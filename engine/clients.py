@@ -151,6 +151,10 @@ class LocalLLM:
         thread (``LLMEngine``'s offline API and ``generate`` both come through here)."""
         self.worker.submit(request, sink)
 
+    def submit_all(self, items: list[tuple[GenerateRequest, Callable[[RequestOutput], None]]]):
+        """``submit`` for a batch that joins the same step (all validated, then all queued)."""
+        self.worker.submit_all(items)
+
     def stream(self, request: GenerateRequest) -> OutputStream:
         """From a running asyncio loop: queued now, its outputs streamed later; closing
         the stream early aborts the request."""

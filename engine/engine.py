@@ -472,21 +472,15 @@ class LLMEngine:
             return sink
 
         client = self.client(model)
-        ids = []
-        try:
+        batch = [
+            (_request(prompt, p, None, None, adapter, reference=ref, final_only=True), sink_for(i))
             for i, (prompt, p, adapter, ref) in enumerate(
                 zip(prompts, params, adapters, refs, strict=True)
-            ):
-                request = _request(prompt, p, None, None, adapter, reference=ref, final_only=True)
-                ids.append(request.request_id)
-                client.submit(request, sink_for(i))
-        except BaseException:
-            for request_id in ids:  # a bad prompt refuses the whole batch
-                client.abort(request_id)
-            if inline:
-                worker = client.worker
-                self.loop.run_until(lambda: not worker.scheduler.has_work() and worker.idle)
-            raise
+            )
+        ]
+        # one batch, queued at once (a bad prompt refuses all of it): a running loop thread
+        # admits it as the inline steps do, not a prompt at a time as they come
+        client.submit_all(batch)
         if inline:  # nobody streams these: the steps may be as long as throughput wants
             scheduler = client.worker.scheduler
             scheduler.hold_prompts = False

@@ -195,6 +195,27 @@ class LLMWorker(Worker):
     def submit(self, request: GenerateRequest, sink: Callable[[RequestOutput], None]) -> None:
         """Validate, then queue; ``sink`` gets each output on the engine thread. Raises
         RequestError before any work is done."""
+        self.submit_all([(request, sink)])
+
+    def submit_all(self, items: list[tuple[GenerateRequest, Callable[[RequestOutput], None]]]):
+        """``submit`` for requests that arrive together: every one validated first (a
+        RequestError queues none of them), then all queued at once, so that the engine
+        thread's next step sees the whole batch — an offline batch is admitted as one
+        whether or not the loop thread is stepping meanwhile."""
+        seqs = [self._sequence(request, sink) for request, sink in items]
+        with self._lock:
+            seen: set[str] = set()
+            for seq in seqs:
+                if seq.request_id in self._live or seq.request_id in seen:
+                    raise RequestError("request_id", f"{seq.request_id!r} is already running")
+                seen.add(seq.request_id)
+            for seq in seqs:
+                self._live[seq.request_id] = seq
+                self._inbox.append(seq)
+        self.wake()
+
+    def _sequence(self, request: GenerateRequest, sink: Callable[[RequestOutput], None]):
+        """The request checked and made a ``Sequence`` (prompt tokens, grammar), not queued."""
         params, request_id, adapter = request.params, request.request_id, request.adapter
         salt = self._adapter_salt(adapter)
         tokens = self.encode(self.prompt_tokens(request))  # still text: no tokenizer, refused
@@ -246,12 +267,7 @@ class LLMWorker(Worker):
             seq.matcher = self.grammars().matcher(params.constraint)
         if params.num_sequences > 1:
             forks.make_children(seq, lambda: self.grammars().matcher(params.constraint))
-        with self._lock:
-            if request_id in self._live:
-                raise RequestError("request_id", f"{request_id!r} is already running")
-            self._live[request_id] = seq
-            self._inbox.append(seq)
-        self.wake()
+        return seq
 
     def _reference_tokens(self, reference: Reference) -> Reference:
         """The reference as this model's token ids; a model that speculates for no request

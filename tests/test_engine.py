@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 import torch
@@ -334,3 +335,24 @@ def test_generate_steps_inline_when_the_loop_is_not_running(llama_dir):
     with pytest.raises(RequestError):
         eng.generate([[5, 6], []], SamplingParams(max_tokens=4))  # the bad one refuses the batch
     assert eng.pool.stats().used_pages == 0 and not eng.llms["m"].scheduler.has_work()
+
+
+def test_a_batch_joins_a_running_loop_whole(llama_dir, monkeypatch):
+    """generate() with the loop thread running queues its batch at once: the first step
+    admits every prompt even where the submitting thread is slow between prompts (a loaded
+    machine), so what the batch schedules (preemption included) does not hang on timing."""
+    ps = prompts(n=4, seed=3, lo=10, hi=20)
+    with engine({"m": llama_dir}) as eng:
+        worker = eng.llms["m"]
+        encode = worker.encode
+
+        def slow_encode(prompt):
+            time.sleep(0.05)  # the engine thread meanwhile steps whatever is queued
+            return encode(prompt)
+
+        monkeypatch.setattr(worker, "encode", slow_encode)
+        before = worker.counters.steps
+        outs = eng.generate(ps, SamplingParams(max_tokens=2))
+        first = list(worker.counters.batch_tokens)[-(worker.counters.steps - before)]
+    assert first == sum(map(len, ps))
+    assert_parity(llama_dir, outs, ps, max_new=2)
