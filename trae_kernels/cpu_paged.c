@@ -30,6 +30,10 @@
 /* The AVX-512 loop's distance, in bytes of the heads it reads a key (so 10 keys of a SmolLM2
  * row's float32 K and V, 32 of one head's): 2, 4, 8 and 16 KB read alike on Zen 5. */
 #define AHEAD_BYTES 8192
+/* The most bytes of two blocks' K and V rows (the one weighed, the next fetched) a row loop keeps
+ * in L2 at once: 96 KB for SmolLM2's float32 heads; 512 KB (float32 rows of 8 KV heads of 128)
+ * was 1.03-1.05x slower fetched than not. */
+#define NEXT_BLOCK_BYTES (256 << 10)
 #define MAX_HEADS 32     /* query heads a row loop takes at once */
 #define HEAD_VECTORS 256 /* ... and their 16-lane vectors (AVX-512: q and sums, 16 KB each) */
 
@@ -248,34 +252,39 @@ static inline float softmax_block16(float *score, int64_t n, float *best, float 
     return rescale;
 }
 
-/* acc0 (and acc1 where two) += the n V rows at v + at[j], weighted by p0[j] (p1[j]) */
+/* acc[g] += the n V rows at v + at[j], weighted by p[g][j], for g < heads (1-3: one load of a
+ * V row serves them all, each head's sums an independent chain of multiply-adds). Meanwhile the
+ * rows at fetch_k + fetch_at[j] and fetch_v + fetch_at[j] (either may be NULL), j < fetch_n,
+ * are asked into L2: the next block's keys, fetched while this one is weighed (heads512). */
 #define DEFINE_WEIGH(T)                                                                      \
     static inline __attribute__((always_inline)) void weigh_##T(                             \
-        const T *v, const int64_t *at, int64_t n, const float *p0, const float *p1,          \
-        __m512 *acc0, __m512 *acc1, const int nd, const int two) {                           \
-        __m512 a0[MAX_DIM / 16], a1[MAX_DIM / 16];                                           \
-        for (int c = 0; c < nd; c++) {                                                       \
-            a0[c] = acc0[c];                                                                 \
-            if (two) a1[c] = acc1[c];                                                        \
-        }                                                                                    \
+        const T *v, const int64_t *at, int64_t n, const float *const *p, __m512 *const *acc, \
+        const int nd, const int heads, const char *fetch_k, const char *fetch_v,            \
+        const int64_t *fetch_at, int64_t fetch_n, int64_t row_bytes) {                       \
+        __m512 a[3][MAX_DIM / 16];                                                           \
+        for (int g = 0; g < heads; g++)                                                      \
+            for (int c = 0; c < nd; c++) a[g][c] = acc[g][c];                                \
         for (int64_t jj = 0; jj < n; jj++) {                                                 \
             const T *vp = v + at[jj];                                                        \
+            if (jj < fetch_n) {                                                              \
+                const int64_t o = fetch_at[jj] * (int64_t)sizeof(T);                         \
+                for (int64_t b = 0; b < row_bytes; b += 64) {                                \
+                    if (fetch_k) _mm_prefetch(fetch_k + o + b, _MM_HINT_T1);                 \
+                    if (fetch_v) _mm_prefetch(fetch_v + o + b, _MM_HINT_T1);                 \
+                }                                                                            \
+            }                                                                                \
             __m512 x[MAX_DIM / 16];                                                          \
             if (nd % 2 == 0) /* load32_T's order, restored at the end */                     \
                 for (int c = 0; c < nd; c += 2) load32_##T(vp + 16 * c, &x[c], &x[c + 1]);   \
             else                                                                             \
                 for (int c = 0; c < nd; c++) x[c] = load16_##T(vp + 16 * c);                 \
-            const __m512 w0 = _mm512_set1_ps(p0[jj]);                                        \
-            for (int c = 0; c < nd; c++) a0[c] = _mm512_fmadd_ps(w0, x[c], a0[c]);           \
-            if (two) {                                                                       \
-                const __m512 w1 = _mm512_set1_ps(p1[jj]);                                    \
-                for (int c = 0; c < nd; c++) a1[c] = _mm512_fmadd_ps(w1, x[c], a1[c]);       \
+            for (int g = 0; g < heads; g++) {                                                \
+                const __m512 w = _mm512_set1_ps(p[g][jj]);                                   \
+                for (int c = 0; c < nd; c++) a[g][c] = _mm512_fmadd_ps(w, x[c], a[g][c]);    \
             }                                                                                \
         }                                                                                    \
-        for (int c = 0; c < nd; c++) {                                                       \
-            acc0[c] = a0[c];                                                                 \
-            if (two) acc1[c] = a1[c];                                                        \
-        }                                                                                    \
+        for (int g = 0; g < heads; g++)                                                      \
+            for (int c = 0; c < nd; c++) acc[g][c] = a[g][c];                                \
     }
 
 /* Scores, softmax and weighted sums of nkv KV heads from kh0 (one, or a row's every head where
@@ -284,13 +293,22 @@ static inline float softmax_block16(float *score, int64_t n, float *best, float 
  * head at a time over all keys left two thirds of every line fetched to a later pass (a Zen 5
  * EPYC's batch-32 decode over 540-key contexts read 25 GB/s so, against a 75 GB/s stream).
  * A head's arithmetic is the same whichever way it is called: a row's outputs do not depend
- * on what else is in the batch. */
+ * on what else is in the batch.
+ *
+ * Fetching only a few keys ahead of the scores left the memory idle while a block's V rows were
+ * weighed: the step's time was its reads' plus most of its arithmetic's (SmolLM2's batch-32
+ * float32 decode over 540 keys: 25.5 ms, against 17.5 for the reads alone and 7.5 for the
+ * arithmetic from cache). So the weighing also asks the next block's rows into L2
+ * (``fetch_next``, where both blocks' rows fit NEXT_BLOCK_BYTES): 0.85x the time there, bf16
+ * 0.94x; 0.89-0.95x with 128-wide heads (16/8, 12/4 and 32/8 heads), the same bits (Zen 5,
+ * both builds alternating). For head sizes the loop does not unroll it was 1.2x slower (bf16,
+ * 80-wide heads): only the unrolled sizes fetch. */
 #define DEFINE_HEADS512(T)                                                                   \
     static inline __attribute__((always_inline)) void heads512_##T(                          \
         const T *query, int64_t q_rs, const T *k_cache, const T *v_cache, int64_t page_s,    \
         int64_t tok_s, int64_t head_s, int64_t page_size, const int64_t *table, int64_t r,   \
         int64_t kh0, int64_t nkv, int64_t lo, int64_t pos, int64_t group, const int nd,      \
-        float scale, T *out, int64_t out_rs, int64_t dim) {                                  \
+        float scale, T *out, int64_t out_rs, int64_t dim, const int fetch_next) {            \
         const int64_t nh = nkv * group, row_bytes = nkv * dim * (int64_t)sizeof(T);         \
         int64_t ahead = AHEAD_BYTES / row_bytes;                                             \
         ahead = ahead < 4 ? 4 : ahead > 64 ? 64 : ahead;                                     \
@@ -345,17 +363,36 @@ static inline float softmax_block16(float *score, int64_t n, float *best, float 
                 for (int c = 0; c < nd; c++) acc[h * nd + c] = _mm512_mul_ps(acc[h * nd + c], vr); \
             }                                                                                \
             /* the weighted sums of the block's V rows (fetched with its keys: from cache), \
-             * two heads of a group at once: one load of a V row serves both, and their     \
-             * sums are independent chains of multiply-adds */                              \
+             * up to three heads of a group at once, meanwhile the next block's K and V rows  \
+             * asked into L2 (where both blocks fit it) */                                 \
+            int64_t next_at[BLOCK];                                                          \
+            int64_t next_n = pos - (j0 + BLOCK) + 1 < BLOCK ? pos - (j0 + BLOCK) + 1 : BLOCK; \
+            if (!fetch_next || 2 * BLOCK * row_bytes > NEXT_BLOCK_BYTES) next_n = 0;         \
+            for (int64_t i = 0; i < next_n; i++)                                             \
+                next_at[i] = key_offset(table, j0 + BLOCK + i, page_size, page_s, tok_s);    \
+            const int take = nd <= 4 ? 3 : 2; /* 3 x 4 or 2 x 8 sums, and a V row: registers */ \
+            const int64_t head_bytes = dim * (int64_t)sizeof(T);                             \
             for (int64_t kh = 0; kh < nkv; kh++)                                             \
-                for (int64_t g = 0; g < group; g += 2) {                                     \
+                for (int64_t g = 0; g < group; g += take) {                                  \
                     const int64_t h = kh * group + g;                                        \
-                    if (g + 1 < group)                                                       \
-                        weigh_##T(v_cache + kh * head_s, at, n, score[h], score[h + 1],      \
-                                  acc + h * nd, acc + (h + 1) * nd, nd, 1);                  \
+                    const int heads = group - g < take ? (int)(group - g) : take;            \
+                    const int64_t h1 = h + (heads > 1), h2 = h + 2 * (heads > 2);           \
+                    const float *p[3] = {score[h], score[h1], score[h2]};                    \
+                    __m512 *sums[3] = {acc + h * nd, acc + h1 * nd, acc + h2 * nd};          \
+                    /* the head's K rows with its first call, V rows with its last */        \
+                    const char *next_k = g == 0 ? (const char *)(k_cache + kh * head_s) : 0; \
+                    const char *next_v =                                                     \
+                        g + take >= group ? (const char *)(v_cache + kh * head_s) : 0;       \
+                    const T *v = v_cache + kh * head_s;                                      \
+                    if (heads == 3) /* (constant counts: the sums stay in registers) */      \
+                        weigh_##T(v, at, n, p, sums, nd, 3, next_k, next_v, next_at, next_n,  \
+                                  head_bytes);                                               \
+                    else if (heads == 2)                                                     \
+                        weigh_##T(v, at, n, p, sums, nd, 2, next_k, next_v, next_at, next_n,  \
+                                  head_bytes);                                               \
                     else                                                                     \
-                        weigh_##T(v_cache + kh * head_s, at, n, score[h], score[h],          \
-                                  acc + h * nd, acc + h * nd, nd, 0);                        \
+                        weigh_##T(v, at, n, p, sums, nd, 1, next_k, next_v, next_at, next_n,  \
+                                  head_bytes);                                               \
                 }                                                                            \
         }                                                                                    \
         T *o = out + r * out_rs + kh0 * group * dim;                                         \
@@ -553,7 +590,8 @@ DEFINE_WEIGH(bf16)
 DEFINE_HEADS512(f32)
 DEFINE_HEADS512(bf16)
 /* an item's heads a whole row at once where they fit heads512's arrays, else one at a time;
- * the common head sizes as constants, so the register arrays unroll */
+ * the common head sizes as constants, so the register arrays unroll (and the next block is
+ * fetched) */
 #define ROW_ITEM(T)                                                                          \
     if (dim % 16 == 0) {                                                                     \
         const int64_t r = item * per_item / kv_heads, kh0 = item * per_item % kv_heads;      \
@@ -567,17 +605,17 @@ DEFINE_HEADS512(bf16)
             case 64:                                                                         \
                 heads512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s,          \
                              page_size, table, r, kh, span, lo, pos, group, 4, scale, out,   \
-                             out_rs, 64);                                                    \
+                             out_rs, 64, 1);                                                 \
                 break;                                                                       \
             case 128:                                                                        \
                 heads512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s,          \
                              page_size, table, r, kh, span, lo, pos, group, 8, scale, out,   \
-                             out_rs, 128);                                                   \
+                             out_rs, 128, 1);                                                \
                 break;                                                                       \
             default:                                                                         \
                 heads512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s,          \
                              page_size, table, r, kh, span, lo, pos, group, (int)(dim / 16), \
-                             scale, out, out_rs, dim);                                       \
+                             scale, out, out_rs, dim, 0);                                    \
             }                                                                                \
         continue;                                                                            \
     }
