@@ -21,7 +21,7 @@
  * Float32 rows (at most 64 with AVX-512; any count with AVX2 and FMA only) skip it too where
  * oneDNN laid the weight out as [n / 64][k][64] (panels of 64 columns): oneDNN's float32
  * kernels at these rows reached ~170 GFLOP/s on a step's linears streamed from memory, where a
- * panel multiplied by 6 rows at a time, the next panel fetched meanwhile, reaches ~230. oneDNN
+ * panel multiplied by 6-7 rows at a time, the next panel fetched meanwhile, reaches ~230. oneDNN
  * sums k in blocks (512 or 1024 by shape and rows, each summed on its own, then added in order).
  *
  * Neither layout nor order is a promise of oneDNN's, so both paths prove themselves: the first
@@ -197,7 +197,11 @@ static inline int64_t part_start(int64_t i, int64_t total, int64_t parts) {
 
 #if defined(__AVX512F__)
 #define PANEL 64 /* columns of a float32 panel: four vectors */
-#define ROW_BLOCK 6 /* rows a pass over a panel takes: 24 sums in registers */
+/* Rows a pass over a panel takes: 28 sums and the panel's 4 vectors fill the 32 registers (the
+ * rows' values are broadcast from memory). bench/panels.py, 30 layers of SmolLM2's linears,
+ * Zen 5: 7 against 6 rows a pass 0.94-0.98x the time at 32 rows, level or faster at 1-64 (fewer
+ * passes over each panel from L2; 8 rows spill: 1.15x). */
+#define ROW_BLOCK 7
 #define AHEAD 48 /* k a first pass fetches ahead of itself (12 KB) */
 
 /* out rows [0, R) x one panel's 64 columns = x rows times the panel, k in blocks of ``kb``
@@ -247,13 +251,14 @@ PANEL_ROWS(3)
 PANEL_ROWS(4)
 PANEL_ROWS(5)
 PANEL_ROWS(6)
+PANEL_ROWS(7)
 typedef void (*panel_fn)(const float *, int64_t, const float *, int64_t, int64_t, const float *,
                          float *, int64_t, int, const char *, int64_t, int64_t);
 static const panel_fn panel_rows[ROW_BLOCK + 1] = {0,       panel_1, panel_2, panel_3,
-                                                   panel_4, panel_5, panel_6};
+                                                   panel_4, panel_5, panel_6, panel_7};
 
 /* out [rows, n] (float32) = x [rows, k] times the panels, k in blocks of kb, plus bias: items
- * of (panel, block of at most 6 rows), panel by panel, split between the threads in order */
+ * of (panel, block of at most ROW_BLOCK rows), panel by panel, split between the threads in order */
 static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
                           const float *w, int64_t n, int64_t kb, const float *bias, float *out) {
     const int64_t panels = n / PANEL, row_blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
