@@ -49,18 +49,21 @@ def test_decode_matches_dense_float32(heads, kv_heads, window, strided):
 
 
 @pytest.mark.parametrize("strided", [False, True])
-def test_many_decode_rows_one_item_each_match_dense(strided):
-    # four rows per thread or more: the kernel gives each thread whole rows (every KV head)
+# groups of 3 (a V row weighs 3 heads at once), 2 (128-wide) and 8 (3, 3, 2 heads a pass)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (16, 8, 128), (8, 1, 128)])
+def test_many_decode_rows_one_item_each_match_dense(strided, heads, kv_heads, dim):
+    # four rows per thread or more: the kernel gives each thread whole rows (every KV head),
+    # contexts past one 64-key block fetch the next block while weighing this one
     rows = 4 * torch.get_num_threads() + 3
     ctx_lens = [(1, 13, 64, 65, 200)[i % 5] + i for i in range(rows)]
     q, k, v, kc, vc, batch, keys, values = make_case(
-        [1] * rows, ctx_lens, 9, 3, page=16, dim=64, num_pages=512
+        [1] * rows, ctx_lens, heads, kv_heads, page=16, dim=dim, num_pages=512
     )
     if strided:
         kc, vc = _strided(kc), _strided(vc)
     store_kv(k, v, kc, vc, batch.slot_mapping)
-    got = paged_attention(q, k, v, kc, vc, batch, 0.125, None)
-    want = naive_attention(q, keys, values, batch.query_starts, 0.125)
+    got = paged_attention(q, k, v, kc, vc, batch, dim**-0.5, None)
+    want = naive_attention(q, keys, values, batch.query_starts, dim**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -300,7 +300,7 @@ static inline float softmax_block16(float *score, int64_t n, float *best, float 
  * float32 decode over 540 keys: 25.5 ms, against 17.5 for the reads alone and 7.5 for the
  * arithmetic from cache). So the weighing also asks the next block's rows into L2
  * (``fetch_next``, where both blocks' rows fit NEXT_BLOCK_BYTES): 0.85x the time there, bf16
- * 0.94x; 0.89-0.95x with 128-wide heads (16/8, 12/4 and 32/8 heads), the same bits (Zen 5,
+ * 0.94x; 0.85-0.98x with 128-wide heads (16/8, 12/4 and 32/8 heads), the same bits (Zen 5,
  * both builds alternating). For head sizes the loop does not unroll it was 1.2x slower (bf16,
  * 80-wide heads): only the unrolled sizes fetch. */
 #define DEFINE_HEADS512(T)                                                                   \

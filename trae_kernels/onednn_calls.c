@@ -258,7 +258,8 @@ static const panel_fn panel_rows[ROW_BLOCK + 1] = {0,       panel_1, panel_2, pa
                                                    panel_4, panel_5, panel_6, panel_7};
 
 /* out [rows, n] (float32) = x [rows, k] times the panels, k in blocks of kb, plus bias: items
- * of (panel, block of at most ROW_BLOCK rows), panel by panel, split between the threads in order */
+ * of (panel, block of at most ROW_BLOCK rows), panel by panel, split between the threads in
+ * order */
 static int32_t panels_f32(const float *x, int64_t rows, int64_t k, int64_t x_rs,
                           const float *w, int64_t n, int64_t kb, const float *bias, float *out) {
     const int64_t panels = n / PANEL, row_blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
