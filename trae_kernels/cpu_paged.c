@@ -302,7 +302,8 @@ static inline float softmax_block16(float *score, int64_t n, float *best, float 
  * (``fetch_next``, where both blocks' rows fit NEXT_BLOCK_BYTES): 0.85x the time there, bf16
  * 0.94x; 0.85-0.98x with 128-wide heads (16/8, 12/4 and 32/8 heads), the same bits (Zen 5,
  * both builds alternating). For head sizes the loop does not unroll it was 1.2x slower (bf16,
- * 80-wide heads): only the unrolled sizes fetch. */
+ * 80-wide heads), and for items of one head (fewer rows than 4 a thread: batch 1 over 540 keys)
+ * 1.07-1.10x: only whole rows of the unrolled sizes fetch. */
 #define DEFINE_HEADS512(T)                                                                   \
     static inline __attribute__((always_inline)) void heads512_##T(                          \
         const T *query, int64_t q_rs, const T *k_cache, const T *v_cache, int64_t page_s,    \
@@ -590,8 +591,8 @@ DEFINE_WEIGH(bf16)
 DEFINE_HEADS512(f32)
 DEFINE_HEADS512(bf16)
 /* an item's heads a whole row at once where they fit heads512's arrays, else one at a time;
- * the common head sizes as constants, so the register arrays unroll (and the next block is
- * fetched) */
+ * the common head sizes as constants, so the register arrays unroll (and, items of whole rows,
+ * the next block is fetched) */
 #define ROW_ITEM(T)                                                                          \
     if (dim % 16 == 0) {                                                                     \
         const int64_t r = item * per_item / kv_heads, kh0 = item * per_item % kv_heads;      \
@@ -601,16 +602,17 @@ DEFINE_HEADS512(bf16)
         const int64_t span =                                                                 \
             per_item * group <= MAX_HEADS && per_item * group * (dim / 16) <= HEAD_VECTORS   \
                 ? per_item : 1;                                                              \
+        const int whole = span == kv_heads; /* a call takes a row's every head */            \
         for (int64_t kh = kh0; kh < kh0 + per_item; kh += span) switch (dim) {               \
             case 64:                                                                         \
                 heads512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s,          \
                              page_size, table, r, kh, span, lo, pos, group, 4, scale, out,   \
-                             out_rs, 64, 1);                                                 \
+                             out_rs, 64, whole);                                             \
                 break;                                                                       \
             case 128:                                                                        \
                 heads512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s,          \
                              page_size, table, r, kh, span, lo, pos, group, 8, scale, out,   \
-                             out_rs, 128, 1);                                                \
+                             out_rs, 128, whole);                                            \
                 break;                                                                       \
             default:                                                                         \
                 heads512_##T(query, q_rs, k_cache, v_cache, page_s, tok_s, head_s,          \
