@@ -261,14 +261,11 @@ class FlatForward(nn.Module):
             block, qkv, gate_up = layer.block, self.qkv[i], self.gate_up[i]
             if i:
                 x = add_rms_norm(hidden, residual, block.input_layernorm)
-            if i == last:
-                residual = residual.index_select(0, sample_rows)
-                hidden = self._attention(
-                    i, layer, qkv(x), cos, sin, attend, lora_active, x, sample_rows
-                )
+            rows = sample_rows if i == last else None
+            if rows is not None:
+                residual = residual.index_select(0, rows)
                 sample_rows = None  # the rows left are those that sample
-            else:
-                hidden = self._attention(i, layer, qkv(x), cos, sin, attend, lora_active, x)
+            hidden = self._attention(i, layer, qkv(x), cos, sin, attend, lora_active, x, rows)
             x = add_rms_norm(hidden, residual, block.post_attention_layernorm)
             hidden = self._mlp(layer, gate_up(x), lora_active, x)
         if sample_rows is None:

@@ -88,14 +88,7 @@ class PagedBatch:
         runs), so a short chunk is as many decode rows (cached per step)."""
         key = ("all_rows",)
         if key not in self._masks:
-            seqs, positions = [], []
-            for s, ctx in enumerate(self.context_lens):
-                n = self.query_starts[s + 1] - self.query_starts[s]
-                seqs.extend([s] * n)
-                positions.extend(range(ctx - n, ctx))
-            self._masks[key] = (
-                torch.tensor(seqs, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
-            )  # fmt: skip
+            self._masks[key] = self.rows_at(torch.arange(self.query_starts[-1]))
         return self._masks[key]
 
     def chunk_rows(self) -> tuple[torch.Tensor, ...]:

@@ -313,6 +313,9 @@ static inline float softmax_block16(float *score, int64_t n, float *best, float 
         const int64_t nh = nkv * group, row_bytes = nkv * dim * (int64_t)sizeof(T);         \
         int64_t ahead = AHEAD_BYTES / row_bytes;                                             \
         ahead = ahead < 4 ? 4 : ahead > 64 ? 64 : ahead;                                     \
+        const int fetch = fetch_next && 2 * BLOCK * row_bytes <= NEXT_BLOCK_BYTES;           \
+        const int take = nd <= 4 ? 3 : 2; /* 3 x 4 or 2 x 8 sums, and a V row: registers */ \
+        const int64_t head_bytes = dim * (int64_t)sizeof(T);                                 \
         __m512 q[HEAD_VECTORS], acc[HEAD_VECTORS];                                           \
         float best[MAX_HEADS], total[MAX_HEADS];                                             \
         float score[MAX_HEADS][BLOCK] __attribute__((aligned(64)));                          \
@@ -368,11 +371,9 @@ static inline float softmax_block16(float *score, int64_t n, float *best, float 
              * asked into L2 (where both blocks fit it) */                                 \
             int64_t next_at[BLOCK];                                                          \
             int64_t next_n = pos - (j0 + BLOCK) + 1 < BLOCK ? pos - (j0 + BLOCK) + 1 : BLOCK; \
-            if (!fetch_next || 2 * BLOCK * row_bytes > NEXT_BLOCK_BYTES) next_n = 0;         \
+            if (!fetch) next_n = 0;                                                          \
             for (int64_t i = 0; i < next_n; i++)                                             \
                 next_at[i] = key_offset(table, j0 + BLOCK + i, page_size, page_s, tok_s);    \
-            const int take = nd <= 4 ? 3 : 2; /* 3 x 4 or 2 x 8 sums, and a V row: registers */ \
-            const int64_t head_bytes = dim * (int64_t)sizeof(T);                             \
             for (int64_t kh = 0; kh < nkv; kh++)                                             \
                 for (int64_t g = 0; g < group; g += take) {                                  \
                     const int64_t h = kh * group + g;                                        \
