@@ -24,7 +24,7 @@
  * with V by pairs of keys (the softmax's sums stay float32); 4 x 512 tokens a layer of
  * SmolLM2's heads took 2.0 against 3.7 ms, and a 32 x 512-token bf16 prefill 4.45 against
  * 4.75 s, its errors against the float32 oracle those of torch's kernel. Without it each
- * value is widened exactly where it is loaded (V once a block), the rest as float32's.
+ * value is widened exactly where it is loaded, the rest as float32's.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -108,7 +108,7 @@ static inline __attribute__((always_inline)) void scores(const char *const *rows
 }
 
 #ifdef __AVX512BF16__
-#define PAIRS 1 /* bf16 scores by pairs of dims */
+#define PAIRS 1 /* bf16 products by pairs: scores by dims, the weighing by keys */
 /* S^T of bf16 K rows, as scores() but two dims a multiply-add: vdpbf16ps adds both products
  * of a lane's pair (exact, bf16 times bf16) to its float32 sum, the odd dim's then the even's,
  * where scores() widened each value through a general register and took one dim an
@@ -239,9 +239,8 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
     const int64_t *table = a->tables + table_row * a->tab_s;
     __m512 qt0[MAX_DIM], qt1[MAX_DIM], o0[MAX_DIM], o1[MAX_DIM], s0[KEYS], s1[KEYS];
     __m512i qp0[MAX_DIM / 2], qp1[MAX_DIM / 2];
-    float vf[KEYS][MAX_DIM]; /* a block's bf16 V rows widened once, for weighing */
 #if PAIRS
-    int32_t vp[KEYS / 2 * MAX_DIM]; /* or as pairs of keys, with P^T's pairs */
+    int32_t vp[KEYS / 2 * MAX_DIM]; /* a block's V rows as pairs of keys, with P^T's pairs */
     __m512i pp0[KEYS / 2], pp1[KEYS / 2];
 #endif
     int32_t lane[QUERIES];
@@ -296,12 +295,6 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
         else
 #endif
             scores(kr, nk, qt0, qt1, dim, bf, s0, s1);
-        if (bf && !pairs) /* V widened once a block: the weighing broadcasts float32 */
-            for (int64_t j = 0; j < nk; j++) {
-                for (int d0 = 0; d0 < dim; d0 += 16)
-                    _mm512_storeu_ps(vf[j] + d0, load16_bf16((const bf16 *)v[j] + d0));
-                v[j] = (const char *)vf[j];
-            }
         const int whole = k0 >= whole_lo && k0 + nk - 1 <= pos0;
         /* the first vector sees no key past its last query: blocks past it add nothing to it
          * (all its lanes masked: P^T zeros), as the blocks a 16-query item never reached */
@@ -333,14 +326,14 @@ static inline __attribute__((always_inline)) void attend_lanes(const Args *a, in
             if (first_too)
                 for (int64_t j = 0; j < nk; j++)
                     for (int i = 0; i < 8; i++) {
-                        const __m512 vd = bcast(v[j], d0 + i, 0); /* widened */
+                        const __m512 vd = bcast(v[j], d0 + i, bf);
                         acc0[i] = _mm512_fmadd_ps(vd, s0[j], acc0[i]);
                         acc1[i] = _mm512_fmadd_ps(vd, s1[j], acc1[i]);
                     }
             else
                 for (int64_t j = 0; j < nk; j++)
                     for (int i = 0; i < 8; i++)
-                        acc1[i] = _mm512_fmadd_ps(bcast(v[j], d0 + i, 0), s1[j], acc1[i]);
+                        acc1[i] = _mm512_fmadd_ps(bcast(v[j], d0 + i, bf), s1[j], acc1[i]);
             for (int i = 0; i < 8; i++) {
                 o0[d0 + i] = acc0[i];
                 o1[d0 + i] = acc1[i];
